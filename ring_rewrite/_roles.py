@@ -1,0 +1,40 @@
+"""Role tags for the nodes a rewrite inserts (``node.meta["ring_rewrite"]``, SPEC §4).
+
+The math modules mark what each stretch of code is (``with role("dilate", branch=0): ...``);
+the tracer in ``passes`` stamps the current tag on every node it records. Outside a trace the
+tags cost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+_CURRENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "ring_rewrite_role", default={}
+)
+
+ROLES = (
+    "mask",  # key-padding mask to additive bias
+    "dilate",  # per-branch views / gathers into block layout
+    "attention",  # block attention returning (out, lse)
+    "attention_backward",  # fused block backward with the merged out / lse
+    "undilate",  # scatter of block rows back to sequence layout
+    "merge",  # LSE merge of branches
+)
+
+
+@contextlib.contextmanager
+def role(name: str, **info: Any) -> Iterator[None]:
+    assert name in ROLES, name
+    token = _CURRENT.set({**_CURRENT.get(), "role": name, **info})
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> dict[str, Any]:
+    return dict(_CURRENT.get())

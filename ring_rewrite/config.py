@@ -1,0 +1,142 @@
+"""The one configuration object of the backend."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+__all__ = ["RingDilatedConfig"]
+
+Sharding = Literal["replicated", "sharded"]
+Layout = Literal["contiguous", "zigzag"]
+Compiler = Literal["inductor", "aot_eager", "eager"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RingDilatedConfig:
+    """How every captured SDPA site is rewritten (SPEC §2, §3).
+
+    The default is one branch ``(w = N, r = 1)``: plain exact attention.
+    """
+
+    segment_lengths: tuple[int, ...] | None = None
+    """Segment length ``w_i`` of each branch; ``w_i >= N`` means one segment over the whole
+    sequence. ``None`` (with ``dilation_rates=None``) is the exact config."""
+
+    dilation_rates: tuple[int, ...] | None = None
+    """Dilation rate ``r_i`` of each branch, ``w_i % r_i == 0``. At least one branch must have
+    rate 1, or some (head, position) would attend to nothing."""
+
+    group: Any = None
+    """Process group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None`` for WORLD when
+    ``torch.distributed`` is initialised (single device otherwise)."""
+
+    sharding: Sharding = "replicated"
+    """``"replicated"``: every rank holds the full sequence (drop-in). ``"sharded"``: the
+    model already runs on local sequence shards (context parallel)."""
+
+    layout: Layout = "contiguous"
+    """How the sequence is cut into rank shards: ``"contiguous"`` or ``"zigzag"``."""
+
+    compiler: Compiler = "inductor"
+    """What lowers the rewritten graph: ``"inductor"``, or ``"aot_eager"`` / ``"eager"`` to debug."""
+
+    strict: bool = False
+    """Raise instead of leaving an unsupported SDPA site alone."""
+
+    def __post_init__(self) -> None:
+        seg, rates = self.segment_lengths, self.dilation_rates
+        if (seg is None) != (rates is None):
+            raise ValueError(
+                "segment_lengths and dilation_rates must be given together "
+                f"(got segment_lengths={seg!r}, dilation_rates={rates!r})"
+            )
+        if seg is not None:
+            seg, rates = _int_tuple("segment_lengths", seg), _int_tuple("dilation_rates", rates)
+            object.__setattr__(self, "segment_lengths", seg)
+            object.__setattr__(self, "dilation_rates", rates)
+            if not seg:
+                raise ValueError("segment_lengths must name at least one branch")
+            if len(seg) != len(rates):
+                raise ValueError(
+                    f"segment_lengths ({len(seg)} branches) and dilation_rates "
+                    f"({len(rates)} branches) must have the same length"
+                )
+            for i, (w, r) in enumerate(zip(seg, rates)):
+                if w < 1:
+                    raise ValueError(f"segment_lengths[{i}] = {w} must be >= 1")
+                if r < 1:
+                    raise ValueError(f"dilation_rates[{i}] = {r} must be >= 1")
+                if w % r:
+                    raise ValueError(
+                        f"segment_lengths[{i}] = {w} is not a multiple of dilation_rates[{i}] = {r}"
+                    )
+            if len(set(zip(seg, rates))) != len(seg):
+                raise ValueError(f"branches repeat: segment_lengths={seg}, dilation_rates={rates}")
+            if 1 not in rates:
+                # Head j's lattice in every branch holds position j; position j + 1 lies on no
+                # lattice unless some branch has rate 1 (SPEC §2).
+                raise ValueError(
+                    f"dilation_rates={rates} has no rate 1: for each head, positions off every "
+                    "branch's lattice would attend to nothing. Add a branch with rate 1."
+                )
+        if self.sharding not in ("replicated", "sharded"):
+            raise ValueError(f"sharding must be 'replicated' or 'sharded', got {self.sharding!r}")
+        if self.layout not in ("contiguous", "zigzag"):
+            raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {self.layout!r}")
+        if self.compiler not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(
+                f"compiler must be 'inductor', 'aot_eager' or 'eager', got {self.compiler!r}"
+            )
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict must be a bool, got {self.strict!r}")
+        if self.group is not None and not _is_group(self.group):
+            raise ValueError(
+                f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(self.group)}"
+            )
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | RingDilatedConfig | None) -> RingDilatedConfig:
+        """Build a config from ``torch.compile(..., options={...})``; unknown keys are errors."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown ring_dilated option(s) {unknown}; valid options are {sorted(names)}"
+            )
+        return cls(**options)
+
+    def branches(self, seq_len: int) -> tuple[tuple[int, int], ...]:
+        """``(w, r)`` per branch for a sequence of ``seq_len`` tokens."""
+        if self.segment_lengths is None:
+            return ((seq_len, 1),)
+        return tuple(zip(self.segment_lengths, self.dilation_rates))  # type: ignore[arg-type]
+
+    @property
+    def is_exact(self) -> bool:
+        return self.segment_lengths is None
+
+
+def _int_tuple(name: str, value: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(value, int) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a sequence of ints, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{name} must hold ints only, got {value!r}")
+    return tuple(value)
+
+
+def _is_group(group: Any) -> bool:
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return True
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - distributed disabled builds
+        return False
+    return isinstance(group, DeviceMesh) and group.ndim == 1

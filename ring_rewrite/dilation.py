@@ -1,0 +1,171 @@
+"""Dilation math: where each branch's rows live, and the gathers that move them.
+
+Note [Branch lattice]
+~~~~~~~~~~~~~~~~~~~~~
+Branch ``(w, r)`` cuts the sequence into segments of ``w`` tokens (one segment when ``w >= N``,
+rounded up to a multiple of ``r``) and keeps, for query head ``j``, the positions
+``p ≡ j (mod r)`` of each segment (LongNet, Ding et al. 2023, eq. 4-6: "head j takes offset
+j mod r"). Padding the sequence to ``Np = nseg * seg`` tokens makes every segment hold exactly
+``m = seg / r`` rows per head, so one branch is one batched attention call over
+``(B * nseg, heads, m, D)``:
+
+    x (B, H, Np, C) --view--> (B, H, nseg, m, r, C) --pick (head, offset) pairs--> (B*nseg, A, m, C)
+
+Row ``p`` of head ``j`` lands at segment ``p // seg``, row ``(p % seg) // r``: a strided view,
+so no loop over segments or positions exists anywhere.
+
+Keys follow their query head: kv head ``h`` serves query heads ``h*g .. h*g+g-1`` (``g = Hq /
+Hkv``), which use the offsets ``(h*g + i) mod r``. When ``r`` divides ``g`` every kv head is
+needed at every offset, each by ``g / r`` query heads: the kernel's own GQA runs on ``Hkv * r``
+dilated kv heads (``Hkv * N`` rows in all, no repeat). Otherwise each query head gets its own
+dilated kv head (``Hq * N / r`` rows; fewer than ``Hkv * N`` whenever ``g <= r``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BranchLayout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchLayout:
+    """Geometry of one branch ``(w, r)`` over ``n`` tokens, ``hq`` query and ``hkv`` kv heads.
+
+    Methods read no tensor shapes (the rewrite traces them with FX proxies); channel dims are
+    left to ``-1`` or passed in.
+    """
+
+    w: int
+    r: int
+    n: int
+    batch: int
+    hq: int
+    hkv: int
+
+    @property
+    def seg(self) -> int:
+        """Effective segment length: ``w``, or the whole sequence rounded up to a multiple of r."""
+        if self.w < self.n:
+            return self.w
+        return -(-self.n // self.r) * self.r
+
+    @property
+    def padded(self) -> int:
+        return -(-self.n // self.seg) * self.seg
+
+    @property
+    def nseg(self) -> int:
+        return self.padded // self.seg
+
+    @property
+    def m(self) -> int:
+        """Rows per head per segment after dilation."""
+        return self.seg // self.r
+
+    @property
+    def g(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def shared_kv(self) -> bool:
+        """True when query heads share dilated kv heads (``r`` divides ``g``)."""
+        return self.g % self.r == 0
+
+    @property
+    def kernel_group(self) -> int:
+        """Query heads per dilated kv head in the block kernel."""
+        return self.g // self.r if self.shared_kv else 1
+
+    @property
+    def kv_heads(self) -> int:
+        """Dilated kv heads the block kernel sees."""
+        return self.hkv * self.r if self.shared_kv else self.hq
+
+    # ---- (head, offset) pairs -------------------------------------------------------------
+    # Kernel order of query heads: grouped by the dilated kv head they read.
+
+    def _q_pairs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.arange(self.hq, device=device)
+        if not self.shared_kv:
+            return a, a % self.r
+        per = self.g // self.r  # query heads per (kv head, offset)
+        head, rest = a // self.g, a % self.g
+        off, c = rest // per, rest % per
+        return head * self.g + c * self.r + off, off
+
+    def _q_inverse(self, device: torch.device) -> torch.Tensor:
+        """Kernel position of each natural query head."""
+        j = torch.arange(self.hq, device=device)
+        if not self.shared_kv:
+            return j
+        per = self.g // self.r
+        head, rest = j // self.g, j % self.g
+        return head * self.g + (rest % self.r) * per + rest // self.r
+
+    def _kv_pairs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.shared_kv:
+            a = torch.arange(self.hkv * self.r, device=device)
+            return a // self.r, a % self.r
+        a = torch.arange(self.hq, device=device)
+        return a // self.g, a % self.r
+
+    # ---- gathers --------------------------------------------------------------------------
+
+    def _split(self, x: torch.Tensor, heads: int, fill: float = 0.0) -> torch.Tensor:
+        """(B, H, n, C) -> (B, nseg, H, r, m, C), padding the sequence with ``fill``."""
+        if self.padded != self.n:
+            x = F.pad(x, (0, 0, 0, self.padded - self.n), value=fill)
+        x = x.view(self.batch, heads, self.nseg, self.m, self.r, -1)
+        return x.permute(0, 2, 1, 4, 3, 5)
+
+    def _merge_split(self, y: torch.Tensor, heads: int) -> torch.Tensor:
+        """(B, nseg, H, r, m, C) -> (B, H, n, C): inverse of ``_split``."""
+        y = y.permute(0, 2, 1, 4, 3, 5).reshape(self.batch, heads, self.padded, -1)
+        return y[:, :, : self.n]
+
+    def dilate_q(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Rows of query-like ``x (B, Hq, n, C)`` in kernel layout ``(B*nseg, Hq, m, C)``."""
+        x6 = self._split(x, self.hq, fill)
+        if self.r == 1:
+            y = x6[:, :, :, 0]
+        else:
+            head, off = self._q_pairs(x.device)
+            y = x6[:, :, head, off]
+        return y.reshape(self.batch * self.nseg, self.hq, self.m, -1)
+
+    def undilate_q(self, y: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Inverse of ``dilate_q``: ``(B*nseg, Hq, m, C) -> (B, Hq, n, C)``, ``fill`` off-lattice."""
+        y = y.view(self.batch, self.nseg, self.hq, self.m, -1)
+        if self.r == 1:
+            return self._merge_split(y.unsqueeze(3), self.hq)
+        if self.shared_kv:
+            y = y[:, :, self._q_inverse(y.device)]
+        heads = torch.arange(self.hq, device=y.device)
+        offs = torch.arange(self.r, device=y.device)
+        on_lattice = (heads.view(-1, 1) % self.r == offs).view(1, 1, self.hq, self.r, 1, 1)
+        y6 = y.unsqueeze(3).expand(-1, -1, -1, self.r, -1, -1)
+        return self._merge_split(torch.where(on_lattice, y6, fill), self.hq)
+
+    def dilate_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of ``k`` or ``v (B, Hkv, n, C)`` in kernel layout ``(B*nseg, kv_heads, m, C)``."""
+        x6 = self._split(x, self.hkv)
+        if self.shared_kv:
+            y = x6  # (head, offset) pairs in natural order: a view.
+        else:
+            head, off = self._kv_pairs(x.device)
+            y = x6[:, :, head, off]
+        return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, -1)
+
+    def accumulate_kv(self, y: torch.Tensor, channels: int) -> torch.Tensor:
+        """Adjoint of ``dilate_kv``: sums dilated kv rows back into ``(B, Hkv, n, C)``."""
+        y = y.view(self.batch, self.nseg, self.kv_heads, self.m, channels)
+        if not self.shared_kv:
+            head, off = self._kv_pairs(y.device)
+            into = y.new_zeros(self.batch, self.nseg, self.hkv * self.r, self.m, channels)
+            y = into.index_add(2, head * self.r + off, y)
+        y = y.view(self.batch, self.nseg, self.hkv, self.r, self.m, channels)
+        return self._merge_split(y, self.hkv)
