@@ -1,0 +1,16 @@
+"""ring_rewrite: a torch.compile backend that rewrites SDPA into ring dilated attention."""
+
+from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
+from .backend import backend, register, ring_dilated, ring_dilated_backend
+from .config import RingDilatedConfig
+from .reference import reference_attention
+
+__all__ = [
+    "RingDilatedConfig",
+    "backend",
+    "reference_attention",
+    "ring_dilated",
+    "ring_dilated_backend",
+]
+
+register()

@@ -1,0 +1,65 @@
+"""Small FX helpers shared by the passes: emit Python code as graph nodes, stamped with roles."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ring_rewrite._roles import current
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+class RoleTracer(fx.proxy.GraphAppendingTracer):
+    """Appends to ``graph``; every node gets ``meta["ring_rewrite"]`` and the site's stack trace."""
+
+    def __init__(self, graph: fx.Graph, site: int, stack_trace: str | None) -> None:
+        super().__init__(graph)
+        self.site = site
+        self.stack_trace = stack_trace
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        stamp(node, self.site, self.stack_trace)
+        return node
+
+
+def stamp(node: fx.Node, site: int, stack_trace: str | None, **info: Any) -> None:
+    node.meta["ring_rewrite"] = {"site": site, **current(), **info}
+    if stack_trace is not None:
+        node.meta["stack_trace"] = stack_trace
+
+
+def emit(tracer: RoleTracer, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on proxies of ``args`` (nodes or constants); returns nodes in place of proxies."""
+    wrap = lambda a: fx.Proxy(a, tracer) if isinstance(a, fx.Node) else a  # noqa: E731
+    out = fn(*[wrap(a) for a in args])
+    return fx.node.map_aggregate(out, lambda x: x.node if isinstance(x, fx.Proxy) else x)
+
+
+def trace_subgraph(
+    fn: Callable[..., Any], names: Sequence[str], site: int, stack_trace: str | None
+) -> fx.GraphModule:
+    """A standalone GraphModule of ``fn(*placeholders)``."""
+    graph = fx.Graph()
+    tracer = RoleTracer(graph, site, stack_trace)
+    inputs = [graph.placeholder(name) for name in names]
+    for node in inputs:
+        stamp(node, site, stack_trace, role="input")
+    out = emit(tracer, fn, *inputs)
+    graph.output(out)
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def location(node: fx.Node) -> str:
+    """``file:line`` of the user's code that produced ``node`` (last frame of its stack trace)."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return "?"
+    path, line = frames[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{line}"

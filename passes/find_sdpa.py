@@ -1,0 +1,138 @@
+"""Find SDPA sites in a dynamo graph and say which can be rewritten.
+
+Finding is separate from rewriting: ``find_sdpa_sites`` returns one frozen record per
+``F.scaled_dot_product_attention`` node, and ``unsupported_reason`` is the one guard that says
+why a site must stay as it is (or None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_int
+
+from ._fx import location
+
+__all__ = ["SdpaSite", "find_sdpa_sites", "unsupported_reason", "SDPA_TARGETS"]
+
+SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+_SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaSite:
+    """One SDPA call in the graph, its arguments bound to the SDPA signature."""
+
+    node: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    attn_mask: fx.Node | None
+    dropout_p: object
+    is_causal: object
+    scale: object
+    enable_gqa: object
+    location: str
+
+    def meta(self, node: fx.Node | None):
+        return None if node is None else node.meta.get("example_value")
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...] | None]:
+        return {
+            name: _static_shape(self.meta(getattr(self, name)))
+            for name in ("query", "key", "value", "attn_mask")
+        }
+
+
+def find_sdpa_sites(gm: fx.GraphModule) -> list[SdpaSite]:
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_TARGETS:
+            bound = dict(_DEFAULTS)
+            bound.update(zip(_SIGNATURE, node.args))
+            bound.update(node.kwargs)
+            sites.append(
+                SdpaSite(
+                    node=node,
+                    query=bound["query"],
+                    key=bound["key"],
+                    value=bound["value"],
+                    attn_mask=bound["attn_mask"],
+                    dropout_p=bound["dropout_p"],
+                    is_causal=bound["is_causal"],
+                    scale=bound["scale"],
+                    enable_gqa=bound["enable_gqa"],
+                    location=location(node),
+                )
+            )
+    return sites
+
+
+def unsupported_reason(site: SdpaSite) -> str | None:
+    """Why ``site`` cannot be rewritten into dilated attention, or None."""
+    for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
+        if isinstance(getattr(site, name), fx.Node):
+            return f"{name} is computed at run time (must be a constant)"
+    if site.dropout_p:
+        return f"dropout_p={site.dropout_p} > 0 (dropout inside attention is not supported)"
+    q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "query/key/value have no example value in the graph"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"inputs are {q.dim()}-D, not (B, H, N, D)"
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (need one of float16, bfloat16, float32, float64)"
+    if q.device.type != "cpu":
+        return f"device {q.device.type!r}: only the CPU block kernel is wired up"
+    qs, ks, vs = (_static_shape(t) for t in (q, k, v))
+    if qs[2] != ks[2] or ks[2] != vs[2]:
+        return f"query length {qs[2]} != key/value length {ks[2]}/{vs[2]} (cross attention or KV cache)"
+    if qs[0] != ks[0] or ks[0] != vs[0] or ks[1] != vs[1]:
+        return f"batch/head shapes do not match: q {qs}, k {ks}, v {vs}"
+    if qs[1] != ks[1] and not site.enable_gqa:
+        return f"query has {qs[1]} heads and key {ks[1]} without enable_gqa"
+    if qs[1] % ks[1]:
+        return f"query heads {qs[1]} not a multiple of key/value heads {ks[1]}"
+    if site.attn_mask is not None:
+        if site.is_causal:
+            return "attn_mask together with is_causal"
+        mask = site.meta(site.attn_mask)
+        if not isinstance(mask, torch.Tensor):
+            return "attn_mask has no example value in the graph"
+        if mask.requires_grad:
+            return "attn_mask requires grad (a learned bias is not supported)"
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            return f"attn_mask dtype {mask.dtype}"
+        ms = _static_shape(mask)
+        if not _is_key_padding(ms, qs, ks[2]):
+            return f"dense attn_mask of shape {ms} (only key-padding masks (B|1, H|1, 1, N) are)"
+    return None
+
+
+def _is_key_padding(ms: tuple[int, ...], qs: tuple[int, ...], n: int) -> bool:
+    if len(ms) < 2 or len(ms) > 4 or ms[-2] != 1 or ms[-1] != n:
+        return False
+    lead = (1,) * (4 - len(ms)) + ms[:-2]
+    return lead[0] in (1, qs[0]) and lead[1] in (1, qs[1])
+
+
+def _static_shape(t) -> tuple[int, ...] | None:
+    """Sizes as ints; a symbolic size is specialised (guarded) to its current value."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return tuple(guard_int(s) if isinstance(s, torch.SymInt) else int(s) for s in t.shape)
+
+
+def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:
+    users: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem:
+            users.setdefault(user.args[1], []).append(user)
+    return users

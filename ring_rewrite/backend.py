@@ -1,0 +1,146 @@
+"""The ``ring_dilated`` torch.compile backend and the ``ring_dilated`` decorator."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from .config import RingDilatedConfig
+
+__all__ = ["backend", "ring_dilated", "ring_dilated_backend", "RingDilatedBackend"]
+
+log = logging.getLogger(__name__)
+BACKEND_NAME = "ring_dilated"
+_GRAPHS_ARTIFACT = "ring_rewrite_graphs"
+torch._logging._internal.register_artifact(
+    _GRAPHS_ARTIFACT, "The dynamo graph before and after the ring_dilated rewrite", off_by_default=True
+)
+graph_log = torch._logging.getArtifactLogger(__name__, _GRAPHS_ARTIFACT)
+
+T = TypeVar("T")
+
+
+class RingDilatedBackend:
+    """A dynamo backend: decompose attention modules, rewrite SDPA sites, lower the graph.
+
+    ``records`` collects one ``SiteRecord`` per attention site of every graph it compiled.
+    """
+
+    def __init__(self, config: RingDilatedConfig | None = None) -> None:
+        self.config = config or RingDilatedConfig()
+        self.records: list[Any] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
+        from passes import decompose_attention_modules, rewrite_sdpa
+
+        config = self.config
+        if kwargs.get("options") is not None:
+            config = RingDilatedConfig.from_options(kwargs["options"])
+        _check_world(config)
+        graph_log.debug("%s", lazy_print(gm, "before ring_dilated rewrite"))
+        gm = decompose_attention_modules(gm, example_inputs, config=config)
+        gm = rewrite_sdpa(gm, example_inputs, config=config)
+        graph_log.debug("%s", lazy_print(gm, "after ring_dilated rewrite"))
+        self.records.extend(gm.meta.get("ring_rewrite_sites", ()))
+        return _lower(gm, example_inputs, config.compiler)
+
+
+def _lower(gm: fx.GraphModule, example_inputs: list[Any], compiler: str):
+    if compiler == "eager":
+        return gm.forward
+    if compiler == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def _check_world(config: RingDilatedConfig) -> None:
+    group = config.group
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        group = group.get_group()  # a 1-D DeviceMesh
+    size = dist.get_world_size(group)
+    if size > 1:
+        raise NotImplementedError(
+            f"ring_dilated: the process group has {size} ranks, but the ring across ranks is not "
+            "implemented yet; run with one rank (or pass group= a single-rank group)"
+        )
+
+
+class lazy_print:
+    def __init__(self, gm: fx.GraphModule, title: str) -> None:
+        self.gm, self.title = gm, title
+
+    def __str__(self) -> str:
+        parts = [f"===== {self.title} =====", self.gm.print_readable(print_output=False)]
+        return "\n".join(parts)
+
+
+def backend(config: RingDilatedConfig | None = None, **fields: Any) -> RingDilatedBackend:
+    """A backend callable for ``torch.compile(model, backend=ring_rewrite.backend(...))``."""
+    if config is not None and fields:
+        raise TypeError("pass either a RingDilatedConfig or config fields, not both")
+    return RingDilatedBackend(config or RingDilatedConfig(**fields))
+
+
+def ring_dilated_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
+    """The registered ``"ring_dilated"`` backend: ``options=`` become the config."""
+    config = RingDilatedConfig.from_options(kwargs.get("options"))
+    return RingDilatedBackend(config)(gm, example_inputs)
+
+
+def ring_dilated(obj: Any = None, /, **fields: Any) -> Any:
+    """Compile with the ``ring_dilated`` backend; a decorator or a plain call.
+
+    ``@ring_dilated(segment_lengths=[...], dilation_rates=[...])`` on an ``nn.Module`` class
+    compiles every instance, on a module instance compiles it in place (``Module.compile``) and
+    returns it, on a function returns the compiled function. ``ring_dilated(model, **config)``
+    is the same as a plain call.
+    """
+    config = RingDilatedConfig(**fields)
+    if obj is None:
+        return functools.partial(_apply, config=config)
+    return _apply(obj, config=config)
+
+
+def _apply(obj: T, *, config: RingDilatedConfig) -> T:
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        init = obj.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self.compile(backend=backend(config))
+
+        obj.__init__ = __init__  # type: ignore[misc]
+        return obj
+    if isinstance(obj, nn.Module):
+        obj.compile(backend=backend(config))
+        return obj
+    if callable(obj):
+        return torch.compile(obj, backend=backend(config))  # type: ignore[return-value]
+    raise TypeError(f"ring_dilated decorates an nn.Module class, a module or a function, not {obj!r}")
+
+
+def register() -> None:
+    """Register ``"ring_dilated"`` with dynamo unless the entry point is about to (or did)."""
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry._COMPILER_FNS:
+        return
+    if registry._BACKENDS.get(BACKEND_NAME) is not None:
+        # Discovered through the torch_dynamo_backends entry point, which is loading us now
+        # and registers the name itself right after: registering here would be a duplicate.
+        return
+    registry.register_backend(ring_dilated_backend, name=BACKEND_NAME)
