@@ -112,7 +112,7 @@ def unsupported_reason(site: SdpaSite) -> str | None:
             return f"attn_mask dtype {mask.dtype}"
         ms = _static_shape(mask)
         if not _is_key_padding(ms, qs, ks[2]):
-            return f"dense attn_mask of shape {ms} (only key-padding masks (B|1, H|1, 1, N) are)"
+            return f"dense attn_mask of shape {ms} (only key-padding masks (B|1, H|1, 1, N) are supported)"
     return None
 
 

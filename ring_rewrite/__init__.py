@@ -4,10 +4,13 @@ from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
 from .backend import backend, register, ring_dilated, ring_dilated_backend
 from .config import RingDilatedConfig
 from .reference import reference_attention
+from .report import Report, explain
 
 __all__ = [
+    "Report",
     "RingDilatedConfig",
     "backend",
+    "explain",
     "reference_attention",
     "ring_dilated",
     "ring_dilated_backend",

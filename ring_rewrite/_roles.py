@@ -17,6 +17,7 @@ _CURRENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
 )
 
 ROLES = (
+    "decompose",  # nn.MultiheadAttention / TransformerEncoderLayer ops spelled out around an SDPA
     "mask",  # key-padding mask to additive bias
     "dilate",  # per-branch views / gathers into block layout
     "attention",  # block attention returning (out, lse)

@@ -19,8 +19,11 @@ __all__ = ["backend", "ring_dilated", "ring_dilated_backend", "RingDilatedBacken
 log = logging.getLogger(__name__)
 BACKEND_NAME = "ring_dilated"
 _GRAPHS_ARTIFACT = "ring_rewrite_graphs"
+# TORCH_LOGS="+ring_rewrite" (module form, parsed when torch is imported) turns these on; in
+# process, torch._logging.set_logs(modules={"ring_rewrite_graphs": True}) does.
+torch._logging._internal.register_log("ring_rewrite", "ring_rewrite")
 torch._logging._internal.register_artifact(
-    _GRAPHS_ARTIFACT, "The dynamo graph before and after the ring_dilated rewrite", off_by_default=True
+    _GRAPHS_ARTIFACT, "The dynamo graph before and after the ring_dilated rewrite"
 )
 graph_log = torch._logging.getArtifactLogger(__name__, _GRAPHS_ARTIFACT)
 

@@ -111,7 +111,7 @@ class BranchLayout:
             a = torch.arange(self.hkv * self.r, device=device)
             return a // self.r, a % self.r
         a = torch.arange(self.hq, device=device)
-        return a // self.g, a % self.r
+        return (a if self.g == 1 else a // self.g), a % self.r
 
     # ---- gathers --------------------------------------------------------------------------
 
@@ -125,7 +125,7 @@ class BranchLayout:
     def _merge_split(self, y: torch.Tensor, heads: int) -> torch.Tensor:
         """(B, nseg, H, r, m, C) -> (B, H, n, C): inverse of ``_split``."""
         y = y.permute(0, 2, 1, 4, 3, 5).reshape(self.batch, heads, self.padded, -1)
-        return y[:, :, : self.n]
+        return y if self.padded == self.n else y[:, :, : self.n]
 
     def dilate_q(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Rows of query-like ``x (B, Hq, n, C)`` in kernel layout ``(B*nseg, Hq, m, C)``."""

@@ -21,11 +21,12 @@ def merge_partials(
     """
     if len(outs) == 1:
         return outs[0], lses[0]
-    lse = torch.logsumexp(torch.stack([l.float() for l in lses]), dim=0)
+    lses = [l.float() for l in lses]
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
     # NOTE: L = -inf only where every lse_i is -inf; shifting by 0 there makes every weight 0.
     shift = torch.where(lse == float("-inf"), 0.0, lse)
     out = None
     for o, l in zip(outs, lses):
-        part = torch.exp(l.float() - shift).unsqueeze(-1) * o.float()
+        part = torch.exp(l - shift).unsqueeze(-1) * o.float()
         out = part if out is None else out + part
     return out, lse

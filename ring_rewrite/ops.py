@@ -116,7 +116,7 @@ def block_attention_backward(
 
 @block_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, bias, scale, is_causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
