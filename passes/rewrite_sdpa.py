@@ -105,11 +105,13 @@ def _plan(site: SdpaSite, config: RingDilatedConfig) -> SitePlan:
     )
 
 
-def _key_bias(mask: torch.Tensor, plan: SitePlan, mask_shape: tuple[int, ...]) -> torch.Tensor:
+def _key_bias(
+    mask: torch.Tensor, plan: SitePlan, mask_shape: tuple[int, ...], is_bool: bool
+) -> torch.Tensor:
     """A key-padding mask (bool keep-mask or additive) as an additive bias ``(B|1, Hq|1, N)``."""
     lead = (1,) * (4 - len(mask_shape)) + tuple(mask_shape[:-2])
     mask = mask.reshape(*lead, plan.n)
-    if mask.dtype == torch.bool:
+    if is_bool:
         return torch.where(mask, 0.0, float("-inf")).to(plan.dtype)
     return mask.to(plan.dtype)
 
@@ -125,7 +127,12 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int
             with role("mask"):
                 bias = emit(
                     tracer,
-                    functools.partial(_key_bias, plan=plan, mask_shape=site.shapes["attn_mask"]),
+                    functools.partial(
+                        _key_bias,
+                        plan=plan,
+                        mask_shape=site.shapes["attn_mask"],
+                        is_bool=site.meta(site.attn_mask).dtype == torch.bool,
+                    ),
                     site.attn_mask,
                 )
             args.append(bias)

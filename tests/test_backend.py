@@ -1,0 +1,187 @@
+"""The user-facing entry points: backend registration, options, the decorator, explain, logging."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import ring_rewrite
+from ring_rewrite.reference import reference_attention
+
+from conftest import rel_err
+
+SEGMENTS, RATES = [8, 16], [1, 2]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Attend(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def qkv():
+    return [torch.randn(1, 2, 32, 8) for _ in range(3)]
+
+
+def expected(q, k, v):
+    return reference_attention(q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES, is_causal=True)
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**environ, **env},
+        timeout=300,
+    )
+
+
+def test_entry_point_registers_without_import():
+    result = run_python(
+        """
+        import sys, torch, torch.nn.functional as F
+        q = torch.randn(1, 2, 16, 8)
+        f = lambda q: F.scaled_dot_product_attention(q, q, q)
+        out = torch.compile(f, backend="ring_dilated", options={"compiler": "eager"})(q)
+        from torch._dynamo.utils import counters
+        assert "ring_rewrite" in sys.modules
+        assert counters["ring_rewrite"]["rewritten"] == 1, counters
+        torch.testing.assert_close(out, f(q))
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_import_then_entry_point_lookup_is_not_a_duplicate():
+    result = run_python(
+        """
+        import torch._dynamo
+        import ring_rewrite
+        ring_rewrite.register()
+        assert "ring_dilated" in torch._dynamo.list_backends()
+        import torch, torch.nn.functional as F
+        q = torch.randn(1, 2, 16, 8)
+        torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="ring_dilated",
+                      options={"compiler": "eager"})(q)
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_options_become_the_config():
+    q, k, v = qkv()
+    options = {"segment_lengths": SEGMENTS, "dilation_rates": RATES, "compiler": "aot_eager"}
+    out = torch.compile(Attend(), backend="ring_dilated", options=options)(q, k, v)
+    assert rel_err(out, expected(q, k, v)) < 1e-5
+    assert counters["ring_rewrite"]["rewritten"] == 1
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(Exception, match="unknown ring_dilated option"):
+        torch.compile(Attend(), backend="ring_dilated", options={"segment": [8]})(*qkv())
+
+
+def test_backend_callable():
+    q, k, v = qkv()
+    be = ring_rewrite.backend(segment_lengths=SEGMENTS, dilation_rates=RATES, compiler="aot_eager")
+    out = torch.compile(Attend(), backend=be)(q, k, v)
+    assert rel_err(out, expected(q, k, v)) < 1e-5
+    assert [r.rewritten for r in be.records] == [True]
+    with pytest.raises(TypeError, match="either"):
+        ring_rewrite.backend(ring_rewrite.RingDilatedConfig(), strict=True)
+
+
+def _check(model_or_fn):
+    q, k, v = qkv()
+    out = model_or_fn(q, k, v)
+    assert rel_err(out, expected(q, k, v)) < 1e-5
+    assert counters["ring_rewrite"]["rewritten"] >= 1
+
+
+def test_decorate_class():
+    @ring_rewrite.ring_dilated(segment_lengths=SEGMENTS, dilation_rates=RATES, compiler="eager")
+    class Decorated(Attend):
+        pass
+
+    model = Decorated()
+    assert isinstance(model, Attend)
+    _check(model)
+
+
+def test_decorate_instance_in_place():
+    model = Attend()
+    same = ring_rewrite.ring_dilated(
+        model, segment_lengths=SEGMENTS, dilation_rates=RATES, compiler="eager"
+    )
+    assert same is model
+    assert list(model.state_dict()) == list(Attend().state_dict())
+    _check(model)
+
+
+def test_decorate_function():
+    @ring_rewrite.ring_dilated(segment_lengths=SEGMENTS, dilation_rates=RATES, compiler="eager")
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    _check(attend)
+
+
+def test_decorator_validates_config_at_once():
+    with pytest.raises(ValueError, match="no rate 1"):
+        ring_rewrite.ring_dilated(segment_lengths=[8], dilation_rates=[2])
+    with pytest.raises(TypeError, match="decorates"):
+        ring_rewrite.ring_dilated(3)
+
+
+def test_explain_report():
+    def two(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5) + Attend()(q, k, v)
+
+    report = ring_rewrite.explain(two, *qkv(), segment_lengths=SEGMENTS, dilation_rates=RATES)
+    assert isinstance(report, ring_rewrite.Report)
+    assert [r.rewritten for r in report.records] == [False, True]
+    text = str(report)
+    assert text.startswith("ring_dilated: 1 of 2 attention sites rewritten")
+    assert "left alone: dropout_p=0.5 > 0" in text
+    assert "(8,1) (16,2)" in text
+    assert "test_backend.py:" in text
+
+
+def test_graphs_logged_through_torch_logs():
+    code = """
+        import torch, torch.nn.functional as F, ring_rewrite
+        q = torch.randn(1, 2, 16, 8)
+        torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q),
+                      backend=ring_rewrite.backend(compiler="eager"))(q)
+    """
+    logged = run_python(code, TORCH_LOGS="+ring_rewrite")
+    assert "before ring_dilated rewrite" in logged.stderr
+    assert "after ring_dilated rewrite" in logged.stderr
+    assert "block_attention" in logged.stderr
+    quiet = run_python(code)
+    assert quiet.returncode == 0 and "ring_dilated rewrite" not in quiet.stderr
+
+
+def test_more_than_one_rank_is_refused_until_the_ring_lands():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(Exception, match="ring across ranks is not implemented yet"):
+            torch.compile(Attend(), backend=ring_rewrite.backend(compiler="eager"))(*qkv())
+    finally:
+        dist.destroy_process_group()

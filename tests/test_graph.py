@@ -1,0 +1,286 @@
+"""Graph shape of the rewrite: what replaces an SDPA node, and what is left alone (SPEC §4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._dynamo.testing import normalize_gm
+from torch._dynamo.utils import counters
+from torch._functorch.autograd_function import autograd_function_apply
+
+from passes import UnsupportedSiteError, rewrite_sdpa
+from passes.find_sdpa import SDPA_TARGETS
+from ring_rewrite import RingDilatedConfig
+
+from conftest import Capture
+
+ATTN = torch.ops.ring_rewrite.block_attention
+ATTN_BWD = torch.ops.ring_rewrite.block_attention_backward
+
+
+def capture(fn, *args, **config) -> Capture:
+    be = Capture(**config)
+    torch.compile(fn, backend=be, fullgraph=True)(*args)
+    return be
+
+
+def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def sdpa_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+
+
+def attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+
+def qkv(b=1, hq=4, hkv=2, n=32, d=8):
+    return torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+
+
+@pytest.mark.parametrize(
+    "segments, rates", [(None, None), ([32], [1]), ([8, 16], [1, 2]), ([8, 16, 32], [1, 2, 4])]
+)
+def test_rewritten_site_shape(segments, rates):
+    be = capture(attention, *qkv(), segment_lengths=segments, dilation_rates=rates)
+    (gm,) = be.graphs
+    branches = 1 if segments is None else len(segments)
+    assert sdpa_nodes(gm) == []
+    (site,) = calls(gm, autograd_function_apply)
+    assert site.meta["ring_rewrite"] == {"site": 0, "role": "site"}
+    fwd, bwd = (getattr(gm, a.target) for a in site.args[:2])
+    fwd_attn = calls(fwd, ATTN)
+    assert len(fwd_attn) == branches and calls(fwd, ATTN_BWD) == []
+    assert len(calls(bwd, ATTN_BWD)) == branches and calls(bwd, ATTN) == []
+    assert [n.meta["ring_rewrite"]["branch"] for n in fwd_attn] == list(range(branches))
+    for sub in (fwd, bwd):
+        for node in sub.graph.nodes:
+            if node.op == "output":
+                continue
+            assert node.meta["ring_rewrite"]["site"] == 0
+            assert "test_graph.py" in node.meta["stack_trace"]
+    roles = {n.meta["ring_rewrite"]["role"] for n in fwd.graph.nodes if n.op != "output"}
+    expected = {"input", "dilate", "attention", "undilate"} | ({"merge"} if branches else set())
+    assert roles == expected
+    assert {r.rewritten for r in be.records} == {True}
+    assert counters["ring_rewrite"]["rewritten"] == 1
+
+
+def test_forward_order_per_branch():
+    """Each branch dilates, attends, then undilates; the merge comes after every branch."""
+    be = capture(attention, *qkv(), segment_lengths=[8, 16], dilation_rates=[1, 2])
+    (gm,) = be.graphs
+    fwd = getattr(gm, "ring_rewrite_fwd_0")
+    sequence = []
+    for node in fwd.graph.nodes:
+        tag = node.meta.get("ring_rewrite", {})
+        step = (tag.get("role"), tag.get("branch"))
+        if node.op != "output" and tag.get("role") != "input" and (not sequence or sequence[-1] != step):
+            sequence.append(step)
+    assert sequence == [
+        ("dilate", 0), ("attention", 0), ("undilate", 0),
+        ("dilate", 1), ("attention", 1), ("undilate", 1),
+        ("merge", None),
+    ]  # fmt: skip
+
+
+def test_same_graph_module_returned_when_nothing_rewritten():
+    def no_attention(x):
+        return x.relu() + 1
+
+    be = capture(no_attention, torch.randn(4))
+    (gm,) = be.graphs
+    code = gm.code
+    assert rewrite_sdpa(gm, [], config=RingDilatedConfig()) is gm
+    assert gm.code == code
+
+
+def test_expected_graph_small_case():
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    be = capture(f, torch.randn(1, 2, 8, 4))
+    (gm,) = be.graphs
+    assert normalize_gm(gm.print_readable(print_output=False)) == EXPECTED_SMALL
+
+
+EXPECTED_SMALL = """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_q_: "f32[1, 2, 8, 4]"):
+        l_q_ = L_q_
+
+        ring_rewrite_fwd_0 = self.ring_rewrite_fwd_0
+        ring_rewrite_bwd_0 = self.ring_rewrite_bwd_0
+        autograd_function_apply: "f32[1, 2, 8, 4]" = torch.ops.higher_order.autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, l_q_, l_q_, l_q_, non_differentiable_idx = [], saved_for_backward_idx = [0, 1, 2, 3, 4]);  ring_rewrite_fwd_0 = ring_rewrite_bwd_0 = l_q_ = None
+        return (autograd_function_apply,)
+
+    class ring_rewrite_fwd_0(torch.nn.Module):
+        def forward(self, q, k, v):
+            view = q.view(1, 2, 1, 8, 1, -1)
+            permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
+            getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
+            reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
+            view_1 = k.view(1, 2, 1, 8, 1, -1)
+            permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
+            reshape_1 = permute_1.reshape(1, 2, 8, -1);  permute_1 = None
+            view_2 = v.view(1, 2, 1, 8, 1, -1)
+            permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
+            reshape_2 = permute_2.reshape(1, 2, 8, -1);  permute_2 = None
+            block_attention = torch.ops.ring_rewrite.block_attention(reshape, reshape_1, reshape_2, None, 0.5, True);  reshape = reshape_1 = reshape_2 = None
+            getitem_1 = block_attention[0]
+            getitem_2 = block_attention[1];  block_attention = None
+            view_3 = getitem_1.view(1, 1, 2, 8, -1);  getitem_1 = None
+            unsqueeze = view_3.unsqueeze(3);  view_3 = None
+            permute_3 = unsqueeze.permute(0, 2, 1, 4, 3, 5);  unsqueeze = None
+            reshape_3 = permute_3.reshape(1, 2, 8, -1);  permute_3 = None
+            unsqueeze_1 = getitem_2.unsqueeze(-1);  getitem_2 = None
+            view_4 = unsqueeze_1.view(1, 1, 2, 8, -1);  unsqueeze_1 = None
+            unsqueeze_2 = view_4.unsqueeze(3);  view_4 = None
+            permute_4 = unsqueeze_2.permute(0, 2, 1, 4, 3, 5);  unsqueeze_2 = None
+            reshape_4 = permute_4.reshape(1, 2, 8, -1);  permute_4 = None
+            squeeze = reshape_4.squeeze(-1);  reshape_4 = None
+            to = reshape_3.to(torch.float32);  reshape_3 = None
+            return (to, [q, k, v, to, squeeze])
+
+    class ring_rewrite_bwd_0(torch.nn.Module):
+        def forward(self, dout, q, k, v, out, lse):
+            view = q.view(1, 2, 1, 8, 1, -1);  q = None
+            permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
+            getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
+            reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
+            view_1 = k.view(1, 2, 1, 8, 1, -1);  k = None
+            permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
+            reshape_1 = permute_1.reshape(1, 2, 8, -1);  permute_1 = None
+            view_2 = v.view(1, 2, 1, 8, 1, -1);  v = None
+            permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
+            reshape_2 = permute_2.reshape(1, 2, 8, -1);  permute_2 = None
+            view_3 = dout.view(1, 2, 1, 8, 1, -1);  dout = None
+            permute_3 = view_3.permute(0, 2, 1, 4, 3, 5);  view_3 = None
+            getitem_1 = permute_3[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_3 = None
+            reshape_3 = getitem_1.reshape(1, 2, 8, -1);  getitem_1 = None
+            view_4 = out.view(1, 2, 1, 8, 1, -1);  out = None
+            permute_4 = view_4.permute(0, 2, 1, 4, 3, 5);  view_4 = None
+            getitem_2 = permute_4[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_4 = None
+            reshape_4 = getitem_2.reshape(1, 2, 8, -1);  getitem_2 = None
+            unsqueeze = lse.unsqueeze(-1);  lse = None
+            view_5 = unsqueeze.view(1, 2, 1, 8, 1, -1);  unsqueeze = None
+            permute_5 = view_5.permute(0, 2, 1, 4, 3, 5);  view_5 = None
+            getitem_3 = permute_5[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_5 = None
+            reshape_5 = getitem_3.reshape(1, 2, 8, -1);  getitem_3 = None
+            squeeze = reshape_5.squeeze(-1);  reshape_5 = None
+            block_attention_backward = torch.ops.ring_rewrite.block_attention_backward(reshape_3, reshape, reshape_1, reshape_2, reshape_4, squeeze, None, 0.5, True);  reshape_3 = reshape = reshape_1 = reshape_2 = reshape_4 = squeeze = None
+            getitem_4 = block_attention_backward[0]
+            getitem_5 = block_attention_backward[1]
+            getitem_6 = block_attention_backward[2];  block_attention_backward = None
+            view_6 = getitem_4.view(1, 1, 2, 8, -1);  getitem_4 = None
+            unsqueeze_1 = view_6.unsqueeze(3);  view_6 = None
+            permute_6 = unsqueeze_1.permute(0, 2, 1, 4, 3, 5);  unsqueeze_1 = None
+            reshape_6 = permute_6.reshape(1, 2, 8, -1);  permute_6 = None
+            view_7 = getitem_5.view(1, 1, 2, 8, 4);  getitem_5 = None
+            view_8 = view_7.view(1, 1, 2, 1, 8, 4);  view_7 = None
+            permute_7 = view_8.permute(0, 2, 1, 4, 3, 5);  view_8 = None
+            reshape_7 = permute_7.reshape(1, 2, 8, -1);  permute_7 = None
+            view_9 = getitem_6.view(1, 1, 2, 8, 4);  getitem_6 = None
+            view_10 = view_9.view(1, 1, 2, 1, 8, 4);  view_9 = None
+            permute_8 = view_10.permute(0, 2, 1, 4, 3, 5);  view_10 = None
+            reshape_8 = permute_8.reshape(1, 2, 8, -1);  permute_8 = None
+            to = reshape_6.to(torch.float32);  reshape_6 = None
+            to_1 = reshape_7.to(torch.float32);  reshape_7 = None
+            to_2 = reshape_8.to(torch.float32);  reshape_8 = None
+            return (to, to_1, to_2)
+"""
+
+
+# ---- sites left alone, one test each --------------------------------------------------------
+
+
+def _dropout(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+def _dense_mask(q, k, v):
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _cross_attention(q, k, v):
+    return F.scaled_dot_product_attention(q[:, :, :16], k, v)
+
+
+def _three_d(q, k, v):
+    return F.scaled_dot_product_attention(q[0], k[0], v[0])
+
+
+def _mask_requires_grad(q, k, v, bias):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+UNSUPPORTED = [
+    pytest.param(_dropout, "dropout_p=0.1 > 0", id="dropout"),
+    pytest.param(_dense_mask, "dense attn_mask of shape (32, 32)", id="dense-mask"),
+    pytest.param(_cross_attention, "query length 16 != key/value length 32", id="cross-attention"),
+    pytest.param(_three_d, "3-D", id="three-d"),
+]
+
+
+def _inputs(fn):
+    q, k, v = torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
+    if fn is _mask_requires_grad:
+        return q, k, v, torch.zeros(1, 1, 1, 32, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "fn, reason",
+    [*UNSUPPORTED, pytest.param(_mask_requires_grad, "attn_mask requires grad", id="learned-mask")],
+)
+def test_unsupported_site_left_alone(fn, reason):
+    args = _inputs(fn)
+    be = capture(fn, *args)
+    (gm,) = be.graphs
+    assert len(sdpa_nodes(gm)) == 1
+    assert calls(gm, autograd_function_apply) == []
+    (record,) = be.records
+    assert not record.rewritten and reason in record.reason
+    assert "test_graph.py" in record.location
+    assert counters["ring_rewrite"]["skipped"] == 1
+
+
+@pytest.mark.parametrize("fn, reason", UNSUPPORTED)
+def test_unsupported_site_strict_raises(fn, reason):
+    with pytest.raises(Exception, match="cannot be rewritten") as info:
+        capture(fn, *_inputs(fn), strict=True)
+    chain = [info.value, getattr(info.value, "inner_exception", None)]
+    assert any(isinstance(e, UnsupportedSiteError) and reason in str(e) for e in chain)
+
+
+def test_only_supported_sites_rewritten():
+    def two(q, k, v):
+        return _dropout(q, k, v) + F.scaled_dot_product_attention(q, k, v)
+
+    be = capture(two, *_inputs(two))
+    (gm,) = be.graphs
+    assert len(sdpa_nodes(gm)) == 1
+    assert len(calls(gm, autograd_function_apply)) == 1
+    assert [r.rewritten for r in be.records] == [False, True]
+    assert dict(counters["ring_rewrite"]) == {"skipped": 1, "rewritten": 1}
+
+
+def test_key_padding_mask_becomes_bias_input():
+    def masked(q, k, v, keep):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    q, k, v = qkv(hkv=4)
+    keep = torch.ones(1, 1, 1, 32, dtype=torch.bool)
+    be = capture(masked, q, k, v, keep, segment_lengths=[8, 32], dilation_rates=[1, 2])
+    (gm,) = be.graphs
+    (site,) = calls(gm, autograd_function_apply)
+    assert len(site.args) == 6  # fwd, bwd, q, k, v, bias
+    bias = site.args[5]
+    assert bias.meta["ring_rewrite"]["role"] == "mask"
+    fwd = getattr(gm, site.args[0].target)
+    assert all(n.args[3] is not None for n in calls(fwd, ATTN))

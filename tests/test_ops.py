@@ -1,0 +1,196 @@
+"""The ``ring_rewrite`` custom ops: ``block_attention`` and ``block_attention_backward``.
+
+Checked against a dense float64 computation of one block of attention: softmax and log-sum-exp
+of ``scale * q k^T + bias`` with top-left causal masking and GQA by head groups; a row whose every
+key is masked has ``lse = -inf`` and output 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_err
+
+block_attention = torch.ops.ring_rewrite.block_attention
+block_attention_backward = torch.ops.ring_rewrite.block_attention_backward
+
+NEG_INF = float("-inf")
+
+# (hq, hkv, d, dv, l, s): GQA with D > Dv, no GQA with D < Dv and a rectangular block.
+SHAPES = {
+    "gqa_d>dv": (4, 2, 8, 6, 7, 7),
+    "mha_d<dv_rect": (2, 2, 4, 8, 5, 9),
+}
+BIASES = ("none", "key_padding", "dense")
+
+
+def _inputs(shape, *, batch=2, dtype=torch.float32):
+    hq, hkv, d, dv, l, s = shape
+    q = torch.randn(batch, hq, l, d, dtype=dtype)
+    k = torch.randn(batch, hkv, s, d, dtype=dtype)
+    v = torch.randn(batch, hkv, s, dv, dtype=dtype)
+    return q, k, v
+
+
+def _bias(kind: str, shape, *, batch=2, dtype=torch.float32):
+    """An additive bias with masked keys, including rows where every key is masked."""
+    hq, _, _, _, l, s = shape
+    if kind == "none":
+        return None
+    if kind == "key_padding":
+        bias = torch.randn(batch, 1, 1, s, dtype=dtype)
+        bias[0, ..., :2] = NEG_INF  # leading keys: under causal, the first rows see nothing
+        bias[0, ..., -1] = NEG_INF
+        bias[1] = NEG_INF  # batch row 1 attends to nothing at all
+        return bias
+    assert kind == "dense"
+    bias = torch.randn(batch, hq, l, s, dtype=dtype)
+    bias[torch.rand(batch, hq, l, s) < 0.3] = NEG_INF
+    bias[0, 1, 2] = NEG_INF  # one fully masked row
+    bias[1, 0, :, 0] = NEG_INF  # causal: row 0 of this head sees nothing
+    return bias
+
+
+def _dense(q, k, v, bias, scale, is_causal):
+    """Float64 ``(out, lse)`` of one block, differentiable (also through fully masked rows)."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = scale * q @ k.transpose(-1, -2)
+    if bias is not None:
+        scores = scores + bias.double()
+    if is_causal:
+        l, s = scores.shape[-2:]
+        keep = torch.ones(l, s, dtype=torch.bool).tril()  # top-left: row i sees keys 0..i
+        scores = scores.masked_fill(~keep, NEG_INF)
+    live = scores.amax(-1, keepdim=True) > NEG_INF
+    safe = torch.where(live, scores, 0.0)
+    lse = torch.where(live.squeeze(-1), torch.logsumexp(safe, -1), NEG_INF)
+    out = torch.softmax(safe, -1) * live @ v
+    return out, lse
+
+
+def _check_lse(lse, expected):
+    dead = expected == NEG_INF
+    assert torch.equal(lse == NEG_INF, dead), "lse must be -inf exactly on rows with no key"
+    assert torch.isfinite(lse[~dead]).all()
+    assert rel_err(lse[~dead], expected[~dead]) < 1e-5
+
+
+# ---- opcheck ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("bias_kind", ["none", "key_padding"])
+def test_opcheck_block_attention(bias_kind, is_causal):
+    shape = SHAPES["gqa_d>dv"]
+    q, k, v = (t.requires_grad_() for t in _inputs(shape))
+    bias = _bias(bias_kind, shape)
+    torch.library.opcheck(block_attention, (q, k, v, bias, 0.3, is_causal))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("bias_kind", ["none", "key_padding"])
+def test_opcheck_block_attention_backward(bias_kind, is_causal):
+    shape = SHAPES["gqa_d>dv"]
+    q, k, v = _inputs(shape)
+    bias = _bias(bias_kind, shape)
+    out, lse = block_attention(q, k, v, bias, 0.3, is_causal)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(
+        block_attention_backward, (dout, q, k, v, out, lse, bias, 0.3, is_causal)
+    )
+
+
+# ---- forward -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("bias_kind", BIASES)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_forward_matches_dense(shape, bias_kind, is_causal):
+    q, k, v = _inputs(shape)
+    bias = _bias(bias_kind, shape)
+    scale = 0.37
+    out, lse = block_attention(q, k, v, bias, scale, is_causal)
+    ref_out, ref_lse = _dense(q, k, v, bias, scale, is_causal)
+
+    assert out.dtype == q.dtype and out.shape == ref_out.shape
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert not out.isnan().any()
+    _check_lse(lse, ref_lse)
+    assert rel_err(out, ref_out) < 1e-5
+    dead = ref_lse == NEG_INF
+    if bias_kind != "none":
+        assert dead.any(), "the bias is meant to mask some rows completely"
+    assert (out[dead] == 0).all(), "rows with no key must output exactly 0"
+
+
+# ---- registered autograd (dout and dlse paths) -------------------------------------------------
+
+
+@pytest.mark.parametrize("uses", ["out", "lse", "both"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("bias_kind", BIASES)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_autograd_matches_dense(shape, bias_kind, is_causal, uses):
+    q, k, v = _inputs(shape)
+    bias = _bias(bias_kind, shape)
+    scale = 0.37
+    w = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+    u = torch.randn(q.shape[:-1])
+
+    def loss(out, lse):
+        # lse is only used on rows that attend to something (it is -inf elsewhere).
+        total = 0.0
+        if uses in ("out", "both"):
+            total = total + (out * w.to(out.dtype)).sum()
+        if uses in ("lse", "both"):
+            total = total + (torch.where(lse > NEG_INF, lse, 0.0) * u.to(lse.dtype)).sum()
+        return total
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(loss(*block_attention(*leaves, bias, scale, is_causal)), leaves)
+
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    # v does not enter lse: its float64 gradient is then zero.
+    expected = torch.autograd.grad(
+        loss(*_dense(*leaves64, bias, scale, is_causal)), leaves64, materialize_grads=True
+    )
+
+    for name, got, want in zip("qkv", grads, expected):
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, want) < 1e-5, name
+
+
+# ---- backward kernel on rows with infinite lse -------------------------------------------------
+
+
+@pytest.mark.parametrize("inf", [float("inf"), NEG_INF], ids=["+inf", "-inf"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("bias_kind", ["none", "key_padding"])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_backward_infinite_lse_rows_contribute_nothing(shape, bias_kind, is_causal, inf):
+    q, k, v = _inputs(shape)
+    bias = _bias(bias_kind, shape)
+    scale = 0.37
+    out, lse = block_attention(q, k, v, bias, scale, is_causal)
+    dout = torch.randn_like(out)
+    rows = torch.rand(lse.shape) < 0.4  # rows whose merged lse says "contributes nothing"
+    rows[0, 0, 1] = True
+
+    dq, dk, dv = block_attention_backward(
+        dout, q, k, v, out, lse.masked_fill(rows, inf), bias, scale, is_causal
+    )
+    # Expected: the same backward with those rows' upstream gradient set to zero.
+    dq0, dk0, dv0 = block_attention_backward(
+        dout.masked_fill(rows.unsqueeze(-1), 0.0), q, k, v, out, lse, bias, scale, is_causal
+    )
+    for got in (dq, dk, dv):
+        assert torch.isfinite(got).all()
+    assert (dq[rows] == 0).all()
+    torch.testing.assert_close(dq, dq0.masked_fill(rows.unsqueeze(-1), 0.0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dk, dk0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dv, dv0, rtol=1e-5, atol=1e-6)
