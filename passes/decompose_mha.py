@@ -231,9 +231,13 @@ def decompose_attention_modules(
         if reason is None:
             todo.append(site)
             continue
-        if config.strict:
+        if config.strict or _sharded(config):
+            # NOTE: in sharded mode a module left alone attends within the local shard only: a
+            # different function, so it is always an error there (SPEC §2), as in rewrite_sdpa.
+            why = "sharded mode cannot leave it alone: " if not config.strict else ""
             raise UnsupportedSiteError(
-                f"ring_dilated: {site.kind} at {site.location} cannot be decomposed into SDPA: {reason}"
+                f"ring_dilated: {site.kind} at {site.location} cannot be decomposed into SDPA: "
+                f"{why}{reason}"
             )
         counters["ring_rewrite"]["skipped"] += 1
         records = gm.meta.setdefault("ring_rewrite_sites", [])
@@ -247,6 +251,14 @@ def decompose_attention_modules(
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _sharded(config: RingDilatedConfig) -> bool:
+    if config.sharding != "sharded":
+        return False
+    from ring_rewrite.p2p import resolve_group
+
+    return resolve_group(config.group)[1] > 1
 
 
 def _sdpa_site_ids(gm: fx.GraphModule, nodes: set[fx.Node], first: int) -> dict[fx.Node, int]:

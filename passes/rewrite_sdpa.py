@@ -30,6 +30,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 from ring_rewrite._roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
+from ring_rewrite.p2p import resolve_group
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
 from .find_sdpa import SdpaSite, find_sdpa_sites, unsupported_reason
@@ -62,19 +63,32 @@ def rewrite_sdpa(
 ) -> fx.GraphModule:
     """Rewrite every supported SDPA site of ``gm`` in place; records land in ``gm.meta``."""
     records: list[SiteRecord] = list(gm.meta.get("ring_rewrite_sites", ()))
+    group, world, rank = resolve_group(config.group)
+    sharded = config.sharding == "sharded" and world > 1
     rewritten = 0
     for site in find_sdpa_sites(gm):
         index = len(records)
         reason = unsupported_reason(site)
-        if reason is not None:
-            if config.strict:
+        plan = None
+        if reason is None:
+            if site.attn_mask is not None and world > 1:
+                reason = "key-padding masks across ranks are not supported yet"
+            else:
+                try:
+                    plan = _plan(site, config, index, group, world, rank)
+                except ValueError as error:
+                    reason = str(error)
+        if plan is None:
+            if config.strict or sharded:
+                # NOTE: in sharded mode an SDPA left alone would attend within the local shard
+                # only: a different function. So it is always an error there (SPEC §2).
+                why = "sharded mode cannot leave it alone: " if sharded and not config.strict else ""
                 raise UnsupportedSiteError(
-                    f"ring_dilated: SDPA at {site.location} cannot be rewritten: {reason}"
+                    f"ring_dilated: SDPA at {site.location} cannot be rewritten: {why}{reason}"
                 )
             counters["ring_rewrite"]["skipped"] += 1
             records.append(SiteRecord(index, site.location, "sdpa", site.shapes, reason=reason))
             continue
-        plan = _plan(site, config)
         _rewrite_site(gm, site, plan, index)
         counters["ring_rewrite"]["rewritten"] += 1
         records.append(SiteRecord(index, site.location, "sdpa", site.shapes, plan=plan))
@@ -86,22 +100,30 @@ def rewrite_sdpa(
     return gm
 
 
-def _plan(site: SdpaSite, config: RingDilatedConfig) -> SitePlan:
+def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: int, rank: int) -> SitePlan:
     shapes = site.shapes
     b, hq, n, d = shapes["query"]
     hkv, dv = shapes["key"][1], shapes["value"][3]
+    sharded = config.sharding == "sharded" and world > 1
+    n_global = n * world if sharded else n
     return SitePlan.build(
+        site=index,
         batch=b,
         hq=hq,
         hkv=hkv,
-        n=n,
+        n=n_global,
         d=d,
         dv=dv,
         dtype=site.meta(site.query).dtype,
         scale=d**-0.5 if site.scale is None else float(site.scale),
         is_causal=bool(site.is_causal),
         has_mask=site.attn_mask is not None,
-        branches=config.branches(n),
+        branches=config.branches(n_global),
+        world=world,
+        rank=rank,
+        group_name=group.group_name if group is not None else "",
+        sharding=config.sharding,
+        layout=config.layout,
     )
 
 

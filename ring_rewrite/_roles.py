@@ -23,7 +23,9 @@ ROLES = (
     "attention",  # block attention returning (out, lse)
     "attention_backward",  # fused block backward with the merged out / lse
     "undilate",  # scatter of block rows back to sequence layout
-    "merge",  # LSE merge of branches
+    "merge",  # LSE merges (ring steps, branches) and gradient sums
+    "p2p",  # ring transfers
+    "shard",  # replicated mode: take the local shard, re-assemble the result
 )
 
 

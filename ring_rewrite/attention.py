@@ -1,8 +1,10 @@
-"""Dilated attention of one SDPA site: forward and its explicit backward.
+"""Dilated ring attention of one SDPA site: forward and its explicit backward.
 
 Both functions are plain torch code over a frozen ``SitePlan``; the rewrite pass traces each
 into an FX graph and joins them with ``autograd_function_apply``, so the graph handed to the
-inner compiler shows every gather, block attention call and merge of the site.
+inner compiler shows every gather, transfer, block attention call and merge of the site. With
+one rank every branch is local and no transfer appears: the single-device case is the ring's
+degenerate case, not a second code path.
 
 Note [Backward from the merged statistics]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -10,8 +12,9 @@ The merged output is one softmax over the multiset of connected keys (a key conn
 branches counts twice, the ``log c`` bias of SPEC §2). With ``O`` and ``L`` that softmax's output
 and log-sum-exp, the fused attention backward run per block with ``(dO, O, L)`` computes
 ``dS = exp(s - L) * (dO·v - rowsum(dO * O))``: exactly the block's share of the gradient of the
-whole function, branch merge weights included. So backward saves only ``q, k, v, O, L`` (O(N))
-and re-dilates them per branch; no per-block result is kept.
+whole function, branch merge weights included. So backward saves only the local ``q, k, v, O, L``
+(O(N/P)), re-dilates them per branch and sends K/V around the ring again, with their dK/dV
+accumulators travelling alongside back to their owner (as ring-flash-attention does).
 """
 
 from __future__ import annotations
@@ -21,92 +24,294 @@ import dataclasses
 import torch
 
 from ._roles import role
-from .dilation import BranchLayout
+from .layout import assemble, take_shard
 from .merge import merge_partials
+from .p2p import new_token
+from .schedule import Block, BranchPlan, plan_branch
 
 __all__ = ["SitePlan", "site_forward", "site_backward"]
 
 _NEG_INF = float("-inf")
+# Transfer tags: ((site * 64 + branch) * 4 + direction) * 1024 + step (Note [Ordering the ring's messages]).
+_KV, _KV_BACK, _DKV, _GATHER = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
 class SitePlan:
-    """Everything static about one rewritten site."""
+    """Everything static about one rewritten site on one rank."""
 
+    site: int
     batch: int
     hq: int
     hkv: int
     n: int
+    """Global sequence length."""
     d: int
     dv: int
     dtype: torch.dtype
     scale: float
     is_causal: bool
     has_mask: bool
-    branches: tuple[BranchLayout, ...]
+    world: int
+    rank: int
+    group_name: str
+    sharding: str
+    layout: str
+    branches: tuple[BranchPlan, ...]
 
     @classmethod
-    def build(cls, *, batch, hq, hkv, n, d, dv, dtype, scale, is_causal, has_mask, branches):
-        layouts = tuple(BranchLayout(w, r, n, batch, hq, hkv) for w, r in branches)
-        return cls(batch, hq, hkv, n, d, dv, dtype, scale, is_causal, has_mask, layouts)
+    def build(
+        cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, scale, is_causal, has_mask, branches,
+        world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
+    ):  # fmt: skip
+        plans = tuple(
+            plan_branch(
+                w, r, n_global=n, world=world, rank=rank, layout=layout, is_causal=is_causal,
+                batch=batch, hq=hq, hkv=hkv,
+            )  # fmt: skip
+            for w, r in branches
+        )
+        return cls(
+            site, batch, hq, hkv, n, d, dv, dtype, scale, is_causal, has_mask,
+            world, rank, group_name, sharding, layout, plans,
+        )  # fmt: skip
 
-    def needs_bias(self, layout: BranchLayout) -> bool:
+    @property
+    def n_local(self) -> int:
+        return self.n // self.world
+
+    @property
+    def gathers(self) -> bool:
+        """Replicated mode across ranks: take the local shard, re-assemble the full result."""
+        return self.world > 1 and self.sharding == "replicated"
+
+    def tag(self, branch: int, direction: int, step: int) -> int:
+        return ((self.site * 64 + branch) * 4 + direction) * 1024 + step
+
+    def needs_bias(self, branch: BranchPlan) -> bool:
         # Padded keys sit after every real query, so causal attention never sees them.
-        return self.has_mask or (layout.padded != self.n and not self.is_causal)
+        return self.has_mask or (branch.layout.padded != branch.layout.n and not self.is_causal)
 
 
-def _branch_bias(plan: SitePlan, layout: BranchLayout, q: torch.Tensor, mask: torch.Tensor | None):
+# ---- small pieces ------------------------------------------------------------------------------
+
+
+def _local(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
+    if not plan.gathers:
+        return x
+    return take_shard(x, 2, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
+
+
+def _gather(plan: SitePlan, x: torch.Tensor, token: torch.Tensor, what: int):
+    stacked, token = torch.ops.ring_rewrite.all_gather_seq(x, token, plan.group_name, plan.world)
+    return assemble(stacked, 2, plan.n_local, world=plan.world, layout=plan.layout), token
+
+
+def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torch.Tensor | None):
     """Additive key bias of one branch in kernel layout ``(B*nseg, Hq, 1, m)``, or None."""
-    if not plan.needs_bias(layout):
+    if not plan.needs_bias(branch):
         return None
+    layout = branch.layout
     if mask is None:
         mask = q.new_zeros(1, 1, 1)
-    keys = mask.to(q.dtype).unsqueeze(-1).expand(plan.batch, plan.hq, plan.n, 1)
+    keys = mask.to(plan.dtype).unsqueeze(-1).expand(plan.batch, plan.hq, layout.n, 1)
     return layout.dilate_q(keys, fill=_NEG_INF).transpose(-1, -2)
+
+
+def _rows(x: torch.Tensor, layout, p0: int, p1: int, heads: int) -> torch.Tensor:
+    """Parts ``[p0, p1)`` of a dilated ``(B*nseg, H, m, C)`` tensor as ``(B, H, rows, C)``."""
+    x = x.view(layout.batch, layout.nseg, heads, layout.m, -1)[:, p0:p1]
+    if p1 - p0 == 1:
+        return x[:, 0]
+    return x.transpose(1, 2).reshape(layout.batch, heads, (p1 - p0) * layout.m, -1)
+
+
+def _split_rows(x: torch.Tensor, layout, p0: int, p1: int) -> list[torch.Tensor]:
+    """Inverse of ``_rows``: ``(B, H, rows[, C])`` back into one ``(B, H, m[, C])`` per part."""
+    if p1 - p0 == 1:
+        return [x]
+    x = x.unflatten(2, (p1 - p0, layout.m))
+    return [x.select(2, j) for j in range(p1 - p0)]
+
+
+def _join_parts(parts: list[torch.Tensor], layout) -> torch.Tensor:
+    """Per-part ``(B, H, m[, C])`` into dilated ``(B*nseg, H, m[, C])``."""
+    if len(parts) == 1:
+        return parts[0]
+    stacked = torch.stack(parts, 1)
+    return stacked.flatten(0, 1)
+
+
+def _kv_rows(plan: SitePlan, layout, kv: torch.Tensor, blk: Block):
+    rows = _rows(kv, layout, blk.k0, blk.k1, layout.kv_heads)
+    return rows[..., : plan.d], rows[..., plan.d :]
+
+
+def _acc(total, x):
+    # Contributions add up in float32 (SPEC §5).
+    return x if total is None else total.float() + x.float()
+
+
+# ---- forward -------------------------------------------------------------------------------
+
+
+def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
+    """Out and lse of one ring branch, dilated; K/V travel while each step computes."""
+    layout = branch.layout
+    kv = torch.cat([kd, vd], -1)  # one message per step
+    acc_out: list = [None] * layout.nseg
+    acc_lse: list = [None] * layout.nseg
+    for step, blocks in enumerate(branch.steps):
+        if step + 1 < len(branch.ring):
+            # NOTE: the next transfer is issued before this step's compute.
+            with role("p2p", branch=i, step=step):
+                incoming, token = torch.ops.ring_rewrite.ring_send_recv(
+                    kv, token, plan.group_name, branch.send_to, branch.recv_from,
+                    plan.tag(i, _KV, step),
+                )  # fmt: skip
+        for blk in blocks:
+            with role("attention", branch=i, step=step):
+                out, lse = torch.ops.ring_rewrite.block_attention(
+                    _rows(qd, layout, blk.q0, blk.q1, plan.hq),
+                    *_kv_rows(plan, layout, kv, blk),
+                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, plan.hq),
+                    plan.scale,
+                    blk.causal,
+                )
+            with role("merge", branch=i, step=step):
+                outs = _split_rows(out, layout, blk.q0, blk.q1)
+                lses = _split_rows(lse, layout, blk.q0, blk.q1)
+                for part, o, l in zip(range(blk.q0, blk.q1), outs, lses):
+                    if acc_out[part] is None:
+                        acc_out[part], acc_lse[part] = o, l
+                    else:
+                        acc_out[part], acc_lse[part] = merge_partials(
+                            [acc_out[part], o], [acc_lse[part], l]
+                        )
+        if step + 1 < len(branch.ring):
+            kv = incoming
+    out = _join_parts(acc_out, layout)
+    lse = _join_parts(acc_lse, layout)
+    return out, lse, token
 
 
 def site_forward(plan: SitePlan, q, k, v, mask=None):
     """``(q, k, v[, mask]) -> (out, saved)``; ``mask`` is an additive key bias ``(B|1, Hq|1, N)``."""
+    token = new_token(q) if plan.world > 1 else None
+    with role("shard"):
+        ql, kl, vl = _local(plan, q), _local(plan, k), _local(plan, v)
     outs, lses = [], []
-    for i, layout in enumerate(plan.branches):
+    for i, branch in enumerate(plan.branches):
+        layout = branch.layout
         with role("dilate", branch=i):
-            qd, kd, vd = layout.dilate_q(q), layout.dilate_kv(k), layout.dilate_kv(v)
-            bias = _branch_bias(plan, layout, q, mask)
-        with role("attention", branch=i):
-            od, lsed = torch.ops.ring_rewrite.block_attention(
-                qd, kd, vd, bias, plan.scale, plan.is_causal
-            )
+            qd, kd, vd = layout.dilate_q(ql), layout.dilate_kv(kl), layout.dilate_kv(vl)
+            bias = _branch_bias(plan, branch, ql, mask)
+        if branch.is_local:
+            with role("attention", branch=i):
+                od, lsed = torch.ops.ring_rewrite.block_attention(
+                    qd, kd, vd, bias, plan.scale, plan.is_causal
+                )
+        else:
+            od, lsed, token = _ring_forward(plan, i, branch, qd, kd, vd, bias, token)
         with role("undilate", branch=i):
             outs.append(layout.undilate_q(od))
             lses.append(layout.undilate_q(lsed.unsqueeze(-1), _NEG_INF).squeeze(-1))
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse] if mask is None else [q, k, v, out, lse, mask]
+    saved = [q, k, v, out, lse] + ([] if mask is None else [mask])
+    if plan.gathers:
+        with role("shard"):
+            out, token = _gather(plan, out, token, _GATHER)
     return out, saved
+
+
+# ---- backward ------------------------------------------------------------------------------
+
+
+def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
+    """dq and, back at their owner, dk and dv of one ring branch (all dilated, float32)."""
+    layout = branch.layout
+    kv = torch.cat([kd, vd], -1)
+    dkv = None
+    dq_parts: list = [None] * layout.nseg
+    last = len(branch.ring) - 1
+    for step, blocks in enumerate(branch.steps):
+        if step < last:
+            with role("p2p", branch=i, step=step):
+                incoming, token = torch.ops.ring_rewrite.ring_send_recv(
+                    kv, token, plan.group_name, branch.send_to, branch.recv_from,
+                    plan.tag(i, _KV_BACK, step),
+                )  # fmt: skip
+        dkv_parts: list = [None] * layout.nseg
+        for blk in blocks:
+            with role("attention_backward", branch=i, step=step):
+                dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
+                    _rows(dod, layout, blk.q0, blk.q1, plan.hq),
+                    _rows(qd, layout, blk.q0, blk.q1, plan.hq),
+                    *_kv_rows(plan, layout, kv, blk),
+                    _rows(od, layout, blk.q0, blk.q1, plan.hq),
+                    _rows(lsed.unsqueeze(-1), layout, blk.q0, blk.q1, plan.hq).squeeze(-1),
+                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, plan.hq),
+                    plan.scale,
+                    blk.causal,
+                )
+            with role("merge", branch=i, step=step):
+                for part, x in zip(range(blk.q0, blk.q1), _split_rows(dq, layout, blk.q0, blk.q1)):
+                    dq_parts[part] = _acc(dq_parts[part], x)
+                dkv_rows = torch.cat([dk.float(), dv.float()], -1)
+                for part, x in zip(range(blk.k0, blk.k1), _split_rows(dkv_rows, layout, blk.k0, blk.k1)):
+                    dkv_parts[part] = _acc(dkv_parts[part], x)
+        if blocks:
+            with role("merge", branch=i, step=step):
+                zeros = (layout.batch, layout.kv_heads, layout.m, plan.d + plan.dv)
+                here = _join_parts(
+                    [p if p is not None else kv.new_zeros(zeros, dtype=torch.float32) for p in dkv_parts],
+                    layout,
+                )
+                # The accumulator that arrived last step belongs to the K/V held now.
+                dkv = here if dkv is None else dkv + here
+        # NOTE: dK/dV travel one step behind K/V and make one more hop: home.
+        with role("p2p", branch=i, step=step):
+            dkv, token = torch.ops.ring_rewrite.ring_send_recv(
+                dkv, token, plan.group_name, branch.send_to, branch.recv_from,
+                plan.tag(i, _DKV, step),
+            )  # fmt: skip
+        if step < last:
+            kv = incoming
+    dq = _join_parts(dq_parts, layout)
+    return dq, dkv[..., : plan.d], dkv[..., plan.d :], token
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask)."""
+    token = new_token(q) if plan.world > 1 else None
+    with role("shard"):
+        ql, kl, vl, dol = (_local(plan, x) for x in (q, k, v, dout))
     dq = dk = dv = None
-    for i, layout in enumerate(plan.branches):
+    for i, branch in enumerate(plan.branches):
+        layout = branch.layout
         with role("dilate", branch=i):
-            qd, kd, vd = layout.dilate_q(q), layout.dilate_kv(k), layout.dilate_kv(v)
-            bias = _branch_bias(plan, layout, q, mask)
-            dod, od = layout.dilate_q(dout), layout.dilate_q(out)
+            qd, kd, vd = layout.dilate_q(ql), layout.dilate_kv(kl), layout.dilate_kv(vl)
+            bias = _branch_bias(plan, branch, ql, mask)
+            dod, od = layout.dilate_q(dol), layout.dilate_q(out)
             lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
-        with role("attention_backward", branch=i):
-            dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
-                dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal
+        if branch.is_local:
+            with role("attention_backward", branch=i):
+                dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
+                    dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal
+                )
+        else:
+            dqd, dkd, dvd, token = _ring_backward(
+                plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token
             )
         with role("undilate", branch=i):
             dq = _acc(dq, layout.undilate_q(dqd))
             dk = _acc(dk, layout.accumulate_kv(dkd, plan.d))
             dv = _acc(dv, layout.accumulate_kv(dvd, plan.dv))
-    grads = (dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype))
-    return grads if mask is None else (*grads, None)
-
-
-def _acc(total, x):
-    # Branch contributions add up in float32 (SPEC §5).
-    return x if total is None else total.float() + x.float()
+    grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
+    if plan.gathers:
+        with role("shard"):
+            for j, g in enumerate(grads):
+                grads[j], token = _gather(plan, g, token, _GATHER)
+    return (*grads,) if mask is None else (*grads, None)

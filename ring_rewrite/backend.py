@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
@@ -46,7 +45,6 @@ class RingDilatedBackend:
         config = self.config
         if kwargs.get("options") is not None:
             config = RingDilatedConfig.from_options(kwargs["options"])
-        _check_world(config)
         graph_log.debug("%s", lazy_print(gm, "before ring_dilated rewrite"))
         gm = decompose_attention_modules(gm, example_inputs, config=config)
         gm = rewrite_sdpa(gm, example_inputs, config=config)
@@ -65,20 +63,6 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any], compiler: str):
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
-
-
-def _check_world(config: RingDilatedConfig) -> None:
-    group = config.group
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        group = group.get_group()  # a 1-D DeviceMesh
-    size = dist.get_world_size(group)
-    if size > 1:
-        raise NotImplementedError(
-            f"ring_dilated: the process group has {size} ranks, but the ring across ranks is not "
-            "implemented yet; run with one rank (or pass group= a single-rank group)"
-        )
 
 
 class lazy_print:

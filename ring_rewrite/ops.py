@@ -133,7 +133,7 @@ def _backward(ctx, dout, dlse):
         # d lse / d s = P, so dlse adds P * dlse to dS. The kernel's dS is P * (dP - rowsum(dO*O));
         # with v = 0, dO = 1 and O = -dlse / Dv it is exactly P * dlse.
         ones = torch.ones_like(dout)
-        fake_out = (-dlse / dout.shape[-1]).unsqueeze(-1).to(out.dtype).expand_as(out)
+        fake_out = (-dlse / dout.shape[-1]).unsqueeze(-1).to(out.dtype).expand_as(out).contiguous()
         dq2, dk2, _ = block_attention_backward(
             ones, q, k, torch.zeros_like(v), fake_out, lse, bias, ctx.scale, ctx.is_causal
         )

@@ -19,7 +19,8 @@ __all__ = ["Report", "explain", "attention_flops", "attention_memory_bytes"]
 def attention_flops(plan: SitePlan) -> int:
     """Useful forward FLOPs of the site (2 per multiply-add in QK^T and PV, causal halves)."""
     total = 0
-    for layout in plan.branches:
+    for branch in plan.branches:
+        layout = branch.layout
         m = layout.m
         pairs = m * (m + 1) // 2 if plan.is_causal else m * m
         total += 2 * plan.batch * plan.hq * layout.nseg * pairs * (plan.d + plan.dv)
@@ -38,7 +39,8 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
     rows = plan.batch * plan.hq * plan.n
     saved = rows * plan.dv * item + rows * 4  # merged out + float32 lse (q, k, v are the inputs')
     workspace = 0
-    for layout in plan.branches:
+    for branch in plan.branches:
+        layout = branch.layout
         q_rows = plan.batch * plan.hq * layout.padded // layout.r
         kv_rows = plan.batch * layout.kv_heads * layout.padded // layout.r
         branch = q_rows * (plan.d + plan.dv) * item + q_rows * 4 + kv_rows * (plan.d + plan.dv) * item

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import operator
 
 import pytest
 import torch
@@ -23,51 +22,23 @@ from passes.decompose_mha import (
 from passes.find_sdpa import SDPA_TARGETS
 from ring_rewrite import RingDilatedConfig, reference_attention
 
+from conftest import Capture, rel_err
+
 B, L, E, H = 2, 16, 32, 4
 MODULE_TARGETS = (F.multi_head_attention_forward, torch._transformer_encoder_layer_fwd)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    yield
-    torch._dynamo.reset()
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
-
-
-class Recorder:
-    """``ring_rewrite.backend(compiler="eager")`` that keeps each graph after the passes."""
-
-    def __init__(self, **fields) -> None:
-        self.backend = ring_rewrite.backend(compiler="eager", **fields)
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm, example_inputs):
-        compiled = self.backend(gm, example_inputs)
-        self.graphs.append(gm)  # the passes rewrite gm in place
-        return compiled
-
-    @property
-    def records(self):
-        return self.backend.records
-
-
-def capture(fn, *inputs) -> torch.fx.GraphModule:
-    """The dynamo graph of ``fn``, untouched by any pass."""
+def capture(fn, *inputs) -> tuple[torch.fx.GraphModule, list]:
+    """The dynamo graph of ``fn``, untouched by any pass, and its inputs (parameters lifted)."""
     graphs = []
 
     def backend(gm, example_inputs):
-        graphs.append(gm)
+        graphs.append((gm, list(example_inputs)))
         return gm.forward
 
     torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    (gm,) = graphs
-    return gm
+    (captured,) = graphs
+    return captured
 
 
 def module_nodes(gm):
@@ -181,14 +152,45 @@ def test_decomposition_alone_matches_eager(dtype):
     torch.testing.assert_close(actual, run(x, kpm))
 
 
+def test_functional_bool_key_padding_mask_matches_eager():
+    """Called directly, F.multi_head_attention_forward gets the bool mask (True = ignore)."""
+    m = nn.MultiheadAttention(E, H)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[0, -5:] = True
+
+    def run(m, x, kpm):
+        return F.multi_head_attention_forward(
+            x, x, x, E, H, m.in_proj_weight, m.in_proj_bias, None, None, False, 0.0,
+            m.out_proj.weight, m.out_proj.bias, key_padding_mask=kpm, need_weights=False,
+        )[0]
+
+    check_against_eager(m, run, [torch.randn(L, B, E), kpm])
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_reaches_sdpa_only_in_training(training):
+    """As in torch: SDPA gets dropout_p in training, 0.0 in eval; rewrite_sdpa then decides."""
+    m = nn.MultiheadAttention(E, H, dropout=0.25).train(training)
+    x = torch.randn(L, B, E)
+    gm, inputs = capture(lambda x: m(x, x, x, need_weights=False)[0], x)
+    decompose_attention_modules(gm, inputs, config=RingDilatedConfig())
+    (sdpa,) = sdpa_nodes(gm)
+    assert sdpa.kwargs["dropout_p"] == (0.25 if training else 0.0)
+
+
 # ---- nn.TransformerEncoderLayer -------------------------------------------------------------
 
 
 def _encoder_layer(norm_first: bool, activation: str) -> nn.TransformerEncoderLayer:
-    return nn.TransformerEncoderLayer(
+    layer = nn.TransformerEncoderLayer(
         d_model=E, nhead=H, dim_feedforward=64, dropout=0.0, batch_first=True,
         norm_first=norm_first, activation=activation,
     )
+    with torch.no_grad():  # norm1 and norm2 start equal (ones, zeros): tell them apart
+        for norm in (layer.norm1, layer.norm2):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.normal_()
+    return layer
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -205,7 +207,7 @@ def test_encoder_layer_eval_no_grad_matches_eager(norm_first, activation):
     model = _encoder_layer(norm_first, activation).eval()
     x = torch.randn(B, L, E)
     with torch.no_grad():
-        gm = capture(lambda x: model(x), x)
+        gm, _ = capture(lambda x: model(x), x)
         assert [n.target for n in module_nodes(gm)] == [torch._transformer_encoder_layer_fwd]
         torch._dynamo.reset()
         check_against_eager(model, lambda m, x: m(x), [x], grads=False)
@@ -228,11 +230,12 @@ def test_encoder_layer_fast_path_float_mask_is_read_as_bool():
     x, mask = torch.randn(B, L, E), torch.zeros(B, L)
     mask[0, 3], mask[1, -2:] = 1.0, float("-inf")
     with torch.no_grad():
-        gm = capture(lambda x, m: model(x, src_key_padding_mask=m), x, mask)
-        expected = gm(x, mask)[0]
-        decompose_attention_modules(gm, config=RingDilatedConfig())
+        gm, inputs = capture(lambda x, m: model(x, src_key_padding_mask=m), x, mask)
+        (expected,) = gm(*inputs)
+        decompose_attention_modules(gm, inputs, config=RingDilatedConfig())
         assert not module_nodes(gm)
-        torch.testing.assert_close(gm(x, mask)[0], expected)
+        torch.testing.assert_close(gm(*inputs)[0], expected)
+        torch.testing.assert_close(expected, model(x, src_key_padding_mask=mask))
 
 
 # ---- the captured graph ---------------------------------------------------------------------
@@ -246,9 +249,12 @@ def test_graph_has_no_module_node_and_no_sdpa_left(kind):
         fn = lambda x: mha(x, x, x, need_weights=False)[0]  # noqa: E731
         context = torch.enable_grad()
     else:
-        fn = _encoder_layer(True, "relu").eval()
+        layer = _encoder_layer(True, "relu").eval()
+        # NOTE: not the module itself: dynamo drops torch.nn frames from stack traces, so a module
+        # compiled directly gives its node an empty stack_trace (location "?").
+        fn = lambda x: layer(x)  # noqa: E731
         context = torch.no_grad()
-    recorder = Recorder()
+    recorder = Capture()
     with context:
         torch.compile(fn, backend=recorder, fullgraph=True)(x)
     (gm,) = recorder.graphs
@@ -276,7 +282,7 @@ def test_site_ids_follow_graph_order_after_skipped_sites():
         a = weighted(x, x, x)[0]  # need_weights=True by default: left alone, site 0
         return plain(a, a, a, need_weights=False)[0]  # decomposed: its SDPA is site 1
 
-    recorder = Recorder()
+    recorder = Capture()
     torch.compile(fn, backend=recorder, fullgraph=True)(torch.randn(L, B, E))
     skipped, rewritten = recorder.records
     assert (skipped.site, skipped.kind, rewritten.site, rewritten.kind) == (0, MHA, 1, "sdpa")
@@ -311,7 +317,7 @@ def _left_alone_case(case: str):
     if case == "causal_and_padding":
         m = nn.MultiheadAttention(E, H, batch_first=True)
         mask = nn.Transformer.generate_square_subsequent_mask(L)
-        kpm = torch.zeros(B, L, dtype=torch.bool)
+        kpm = torch.zeros(B, L)  # float like mask: mismatched mask dtypes warn (a graph break)
         return (lambda x: m(x, x, x, need_weights=False, attn_mask=mask, is_causal=True,
                             key_padding_mask=kpm)[0], x, "is_causal=True with a key_padding_mask")
     if case == "encoder_layer_src_mask":
@@ -329,7 +335,7 @@ LEFT_ALONE = ["need_weights", "weights_used", "add_bias_kv", "add_zero_attn", "d
 @pytest.mark.parametrize("case", LEFT_ALONE)
 def test_unsupported_module_is_left_alone_with_reason(case):
     fn, x, reason = _left_alone_case(case)
-    recorder = Recorder()
+    recorder = Capture()
     with torch.no_grad():
         actual = torch.compile(fn, backend=recorder, fullgraph=True)(x)
         torch.testing.assert_close(actual, fn(x))
@@ -344,11 +350,11 @@ def test_unsupported_module_is_left_alone_with_reason(case):
 @pytest.mark.parametrize("case", ["need_weights", "dense_mask"])
 def test_pass_returns_graph_unchanged_when_nothing_is_supported(case):
     fn, x, reason = _left_alone_case(case)
-    gm = capture(fn, x)
+    gm, inputs = capture(fn, x)
     code = gm.code
     (site,) = find_attention_module_sites(gm)
     assert unsupported_reason(site).startswith(reason)
-    assert decompose_attention_modules(gm, [x], config=RingDilatedConfig()) is gm
+    assert decompose_attention_modules(gm, inputs, config=RingDilatedConfig()) is gm
     assert gm.code == code
     assert [r.reason for r in gm.meta["ring_rewrite_sites"]] == [unsupported_reason(site)]
 
@@ -359,6 +365,22 @@ def test_strict_raises_on_unsupported_module():
         torch.compile(fn, backend=ring_rewrite.backend(compiler="eager", strict=True))(x)
     assert isinstance(info.value.inner_exception, UnsupportedSiteError)
     assert "add_bias_kv=True" in str(info.value.inner_exception)
+
+
+def test_sharded_mode_refuses_to_leave_a_module_alone():
+    """Sharded, a module left alone would attend within the local shard only (SPEC §2)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    fn, x, _ = _left_alone_case("need_weights")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+            torch.compile(fn, backend=ring_rewrite.backend(compiler="eager", sharding="sharded"))(x)
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(info.value.inner_exception, UnsupportedSiteError)
+    assert "sharded mode cannot leave it alone: need_weights=True" in str(info.value.inner_exception)
 
 
 # ---- dilated ---------------------------------------------------------------------------------

@@ -194,3 +194,35 @@ def test_backward_infinite_lse_rows_contribute_nothing(shape, bias_kind, is_caus
     torch.testing.assert_close(dq, dq0.masked_fill(rows.unsqueeze(-1), 0.0), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dk, dk0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dv, dv0, rtol=1e-5, atol=1e-6)
+
+
+# ---- layouts -------------------------------------------------------------------------------------
+
+
+def _last_dim_strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values with last-dim stride != 1 (e.g. ``x.transpose(-1, -2)`` of a user tensor)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG ops.py: the CPU flash kernels assume last-dim stride 1 (aten's SDPA dispatcher "
+    "checks it before choosing flash); block_attention(_backward) pass inputs through unchecked",
+)
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_non_unit_last_dim_stride(which):
+    shape = (4, 2, 8, 8, 7, 7)  # D == Dv: no zero padding that would copy the strided input
+    q, k, v = _inputs(shape)
+    args = {"q": q, "k": k, "v": v}
+    args[which] = _last_dim_strided(args[which])
+    leaves = [args[n].requires_grad_() for n in "qkv"]
+    out, lse = block_attention(*leaves, None, 0.37, False)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = _dense(*leaves64, None, 0.37, False)
+    expected = torch.autograd.grad(ref_out.square().sum(), leaves64)
+    assert rel_err(out, ref_out) < 1e-5
+    assert rel_err(lse, ref_lse) < 1e-5
+    for got, want in zip(grads, expected):
+        assert rel_err(got, want) < 1e-5

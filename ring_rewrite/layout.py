@@ -1,0 +1,79 @@
+"""Sequence layouts across ranks: cut a sequence into this rank's shard and put it back.
+
+``layout="contiguous"``: rank k holds tokens ``[kN/P, (k+1)N/P)``. ``layout="zigzag"``: the sequence
+is cut into 2P chunks and rank k holds chunks k and 2P-1-k (balances causal work).
+``shard`` / ``unshard`` are inverses; ``take_shard`` / ``assemble`` are their static, traceable
+cores (ranks and sizes as ints) used inside rewritten graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["shard", "unshard", "take_shard", "assemble", "positions"]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _check(n: int, world: int, layout: str) -> int:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    pieces = world * (2 if layout == "zigzag" else 1)
+    if n % pieces:
+        raise ValueError(
+            f"a sequence of {n} tokens cannot be cut into {pieces} equal "
+            f"{'chunks' if layout == 'zigzag' else 'shards'} ({world} ranks, layout={layout!r})"
+        )
+    return n // pieces
+
+
+def take_shard(x: torch.Tensor, dim: int, n: int, *, world: int, rank: int, layout: str) -> torch.Tensor:
+    """This rank's tokens of ``x`` (``n`` tokens along ``dim``)."""
+    size = _check(n, world, layout)
+    if layout == "contiguous":
+        return x.narrow(dim, rank * size, size)
+    return torch.cat([x.narrow(dim, rank * size, size), x.narrow(dim, (2 * world - 1 - rank) * size, size)], dim)
+
+
+def assemble(gathered: torch.Tensor, dim: int, n_local: int, *, world: int, layout: str) -> torch.Tensor:
+    """Inverse of ``take_shard`` over all ranks: ``gathered`` stacks every rank's shard on dim 0."""
+    shards = [gathered[i] for i in range(world)]
+    if layout == "contiguous":
+        return torch.cat(shards, dim)
+    half = n_local // 2
+    firsts = [x.narrow(dim, 0, half) for x in shards]
+    seconds = [x.narrow(dim, half, half) for x in reversed(shards)]
+    return torch.cat(firsts + seconds, dim)
+
+
+def positions(n: int, *, world: int, rank: int, layout: str, device=None) -> torch.Tensor:
+    """Global positions of this rank's tokens (for RoPE / position ids in sharded mode)."""
+    return take_shard(torch.arange(n, device=device), 0, n, world=world, rank=rank, layout=layout)
+
+
+def _world_rank(group) -> tuple[int, int]:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        group = group.get_group()  # a 1-D DeviceMesh
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def shard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
+    """This rank's shard of a full sequence ``x`` along ``dim`` (a view or one copy)."""
+    world, rank = _world_rank(group)
+    return take_shard(x, dim, x.shape[dim], world=world, rank=rank, layout=layout)
+
+
+def unshard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
+    """The full sequence from every rank's shard ``x`` (all-gather; differentiable)."""
+    world, _ = _world_rank(group)
+    if world == 1:
+        return x
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        group = group.get_group()
+    from torch.distributed.nn.functional import all_gather
+
+    parts = all_gather(x.contiguous(), group=group or dist.group.WORLD)
+    return assemble(torch.stack(parts), dim, x.shape[dim], world=world, layout=layout)

@@ -1,0 +1,105 @@
+"""Collectives of the ring as ``ring_rewrite`` custom ops that survive compilation.
+
+Note [Ordering the ring's messages]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Seen on torch 2.13 (FINDINGS.md): a P2P op whose result one rank does not use is dead-code
+eliminated on that rank only; inductor may order independent P2P calls differently on different
+ranks, and equal-shaped messages then pair up wrong without an error. So every op here
+
+* is registered with an ORDERED effect (never eliminated, never duplicated),
+* takes the previous transfer's ``token`` and returns the next one: all transfers of a graph form
+  one data-dependency chain, so every rank runs them in the same order,
+* sends each message under its own tag (site, branch, direction, step): a schedule that still
+  went wrong would fail loudly (a timeout naming the op) instead of pairing the wrong buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._library.effects import EffectType
+
+__all__ = ["ring_send_recv", "all_gather_seq", "new_token", "resolve_group"]
+
+
+def _group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def new_token(like: torch.Tensor) -> torch.Tensor:
+    """The first token of a chain (tokens carry no data, only order)."""
+    return like.new_zeros((1,), dtype=torch.float32)
+
+
+@torch.library.custom_op("ring_rewrite::ring_send_recv", mutates_args=())
+def ring_send_recv(
+    x: torch.Tensor, token: torch.Tensor, group_name: str, send_to: int, recv_from: int, tag: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``x`` to global rank ``send_to`` and receive a tensor like it from ``recv_from``."""
+    group = _group(group_name)
+    x = x.contiguous()
+    received = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, send_to, group, tag),
+        dist.P2POp(dist.irecv, received, recv_from, group, tag),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received, token + 1
+
+
+@ring_send_recv.register_fake
+def _(x, token, group_name, send_to, recv_from, tag):
+    return x.new_empty(x.shape), token.new_empty(token.shape)
+
+
+def _send_recv_backward(ctx, grad, _grad_token):
+    # The adjoint of a shift is the shift back.
+    if grad is None:
+        return (None,) * 6
+    back, _ = ring_send_recv(
+        grad, ctx.token, ctx.group_name, ctx.recv_from, ctx.send_to, ctx.tag + 1
+    )
+    return back, None, None, None, None, None
+
+
+def _send_recv_setup(ctx, inputs, output):
+    _, token, ctx.group_name, ctx.send_to, ctx.recv_from, ctx.tag = inputs
+    ctx.token = output[1].detach()
+
+
+ring_send_recv.register_autograd(_send_recv_backward, setup_context=_send_recv_setup)
+ring_send_recv.register_effect(EffectType.ORDERED)
+
+
+@torch.library.custom_op("ring_rewrite::all_gather_seq", mutates_args=())
+def all_gather_seq(
+    x: torch.Tensor, token: torch.Tensor, group_name: str, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack every rank's ``x`` along a new leading dim (rank order of the group)."""
+    group = _group(group_name)
+    x = x.contiguous()
+    out = x.new_empty((world, *x.shape))
+    dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out, token + 1
+
+
+@all_gather_seq.register_fake
+def _(x, token, group_name, world):
+    return x.new_empty((world, *x.shape)), token.new_empty(token.shape)
+
+
+all_gather_seq.register_effect(EffectType.ORDERED)
+
+
+def resolve_group(group) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(process group, world size, rank)``; ``(None, 1, 0)`` without torch.distributed."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0
+        group = dist.group.WORLD
+    elif not isinstance(group, dist.ProcessGroup):
+        group = group.get_group()  # a 1-D DeviceMesh
+    return group, dist.get_world_size(group), dist.get_rank(group)

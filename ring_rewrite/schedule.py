@@ -1,0 +1,153 @@
+"""Which ranks exchange what, step by step: the ring schedule of one branch on one rank.
+
+Note [Ring schedule]
+~~~~~~~~~~~~~~~~~~~~
+Each rank holds ``n = N / P`` tokens in ``parts``: one part (``layout="contiguous"``: rank k holds
+``[kn, (k+1)n)``) or two (``layout="zigzag"``: rank k holds chunks k and 2P-1-k of 2P chunks of
+``n/2``). A branch ``(w, r)`` is
+
+* **local** when its segments lie inside a part (``part % w == 0``): single-device dilated
+  attention on the local tokens, no communication;
+* a **ring** over the ``G`` ranks that share its segments otherwise: ``G = P`` when ``w >= N``;
+  ``G = w / part`` consecutive ranks when ``w`` is a multiple of the part (a "sub-ring"; with
+  zigzag both chunks of a rank fall in segments shared with the same ``G`` ranks).
+
+On a ring, the dilated K/V rows of every rank visit every rank of the group, one step at a time
+(step s: rank ``i`` of the group holds the K/V of rank ``i - s``). Each step computes a few blocks
+``(query parts, key parts, causal)``; with ``is_causal`` the blocks fully above the diagonal are
+skipped, never the transfer. Causal blocks per step for query rank k and key rank j
+(the zigzag table follows torch's context parallel / ring-flash-attention's zigzag variant):
+
+    layout       ring       j == k                   j < k               j > k
+    contiguous   any        q0 k0 causal             q0 k0               -
+    zigzag       full       q01 k01 causal           q01 k0              q1 k01
+    zigzag       sub-ring   q0 k0 causal, q1 k1 c.   q0 k0               q1 k1
+
+(``q01`` = both query parts as one block of rows; without ``is_causal`` every pair of parts in
+the same segment is one non-causal block.) Per step the compute of the two zigzag halves is
+balanced: that is the point of zigzag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .dilation import BranchLayout
+
+__all__ = ["Block", "BranchPlan", "plan_branch", "shard_parts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Attention of query parts ``[q0, q1)`` to key parts ``[k0, k1)``."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchPlan:
+    """One branch on one rank: its local dilated layout and, for a ring, the steps."""
+
+    w: int
+    r: int
+    layout: BranchLayout
+    ring: tuple[int, ...]
+    """Global ranks of the (sub-)ring in ring order; one rank for a local branch."""
+    position: int
+    """This rank's index in ``ring``."""
+    steps: tuple[tuple[Block, ...], ...]
+    """Blocks computed at each step (step s holds the K/V of ``ring[position - s]``)."""
+
+    @property
+    def is_local(self) -> bool:
+        return len(self.ring) == 1
+
+    @property
+    def send_to(self) -> int:
+        return self.ring[(self.position + 1) % len(self.ring)]
+
+    @property
+    def recv_from(self) -> int:
+        return self.ring[(self.position - 1) % len(self.ring)]
+
+
+def shard_parts(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def plan_branch(
+    w: int,
+    r: int,
+    *,
+    n_global: int,
+    world: int,
+    rank: int,
+    layout: str,
+    is_causal: bool,
+    batch: int,
+    hq: int,
+    hkv: int,
+) -> BranchPlan:
+    """The branch's plan on ``rank``; raises ValueError when the shards cannot carry it."""
+    n_local = n_global // world
+    if world == 1:
+        geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
+        return BranchPlan(w, r, geometry, (rank,), 0, ((Block(0, 1, 0, 1, is_causal),),))
+    parts = shard_parts(layout)
+    part = n_local // parts
+    if part % w == 0:
+        geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
+        return BranchPlan(w, r, geometry, (rank,), 0, ((Block(0, 1, 0, 1, is_causal),),))
+    if part % r:
+        raise ValueError(
+            f"branch (w={w}, r={r}): each rank's part of {part} tokens is not a multiple of the "
+            f"dilation rate {r}, so ranks would start on different lattice offsets"
+        )
+    if w >= n_global:
+        size, full = world, True
+    elif w % part == 0:
+        size, full = w // part, False
+        if layout == "zigzag" and world % size:
+            raise ValueError(
+                f"branch (w={w}, r={r}) spans {size} zigzag chunks of {part} tokens; with zigzag "
+                f"that must divide the {world} ranks"
+            )
+    else:
+        raise ValueError(
+            f"branch (w={w}, r={r}): the segment length must divide each rank's part of {part} "
+            f"tokens or be a multiple of it (N={n_global}, {world} ranks, layout={layout!r})"
+        )
+    first = rank // size * size
+    ring = tuple(range(first, min(first + size, world)))
+    position = rank - first
+    geometry = BranchLayout(part, r, n_local, batch, hq, hkv)  # one "segment" per part
+    steps = tuple(
+        _blocks(rank, ring[(position - s) % len(ring)], parts, full, is_causal)
+        for s in range(len(ring))
+    )
+    return BranchPlan(w, r, geometry, ring, position, steps)
+
+
+def _blocks(k: int, j: int, parts: int, full: bool, causal: bool) -> tuple[Block, ...]:
+    """Blocks of query rank ``k`` against the K/V of rank ``j`` (Note [Ring schedule])."""
+    if parts == 1:
+        if not causal:
+            return (Block(0, 1, 0, 1, False),)
+        if j == k:
+            return (Block(0, 1, 0, 1, True),)
+        return (Block(0, 1, 0, 1, False),) if j < k else ()
+    if full:
+        if not causal:
+            return (Block(0, 2, 0, 2, False),)
+        if j == k:
+            return (Block(0, 2, 0, 2, True),)
+        return (Block(0, 2, 0, 1, False),) if j < k else (Block(1, 2, 0, 2, False),)
+    if not causal:
+        return (Block(0, 1, 0, 1, False), Block(1, 2, 1, 2, False))
+    if j == k:
+        return (Block(0, 1, 0, 1, True), Block(1, 2, 1, 2, True))
+    return (Block(0, 1, 0, 1, False),) if j < k else (Block(1, 2, 1, 2, False),)
