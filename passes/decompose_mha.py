@@ -1,10 +1,11 @@
-"""The pass before ``rewrite_sdpa``: attention modules become plain ops around one SDPA call.
+"""The pass before ``rewrite_sdpa``: attention modules become plain ops around one SDPA.
 
 Dynamo keeps ``nn.MultiheadAttention`` (also the attention inside ``nn.TransformerEncoderLayer``
-in training) as one opaque ``torch.nn.functional.multi_head_attention_forward`` node, and a whole
-``nn.TransformerEncoderLayer`` in eval under ``no_grad`` as one ``torch._transformer_encoder_layer_fwd``
-node (its fast path). Neither shows an SDPA node, so ``rewrite_sdpa`` would not see them. This
-pass spells each supported node out as the ops torch runs inside it.
+in training) as one opaque ``torch.nn.functional.multi_head_attention_forward`` node, and a
+whole ``nn.TransformerEncoderLayer`` in eval under ``no_grad`` as one
+``torch._transformer_encoder_layer_fwd`` node (its fast path). Neither shows an SDPA node, so
+``rewrite_sdpa`` would not see them. This pass spells each supported node out as the ops torch
+runs inside it.
 
 Before::
 
@@ -47,7 +48,7 @@ import inspect
 import operator
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -102,8 +103,8 @@ _SHAPE_ARGS = {
     ENCODER_LAYER: {"query": "src", "key": "src", "value": "src", "mask": "mask"},
 }
 _NEED_WEIGHTS = (
-    "need_weights=True: the N x N attention weights would be materialised; "
-    "call with need_weights=False"
+    "the attention weights (output 1) are used: the N x N weights would be materialised; "
+    "call with need_weights=False or leave them unused"
 )
 
 
@@ -134,7 +135,8 @@ def find_attention_module_sites(gm: fx.GraphModule) -> list[ModuleSite]:
         kind, signature = _KINDS[node.target]
         bound = signature.bind(*node.args, **node.kwargs)
         bound.apply_defaults()
-        sites.append(ModuleSite(node, kind, types.MappingProxyType(dict(bound.arguments)), location(node)))
+        args = types.MappingProxyType(dict(bound.arguments))
+        sites.append(ModuleSite(node, kind, args, location(node)))
     return sites
 
 
@@ -153,13 +155,13 @@ def unsupported_reason(site: ModuleSite) -> str | None:
 
 def _mha_reason(site: ModuleSite) -> str | None:
     a = site.args
-    if a["need_weights"]:
-        return _NEED_WEIGHTS
+    # NOTE: need_weights=True (nn.MultiheadAttention's default) computes the same output; only
+    # weights that are actually used must stay, dynamo drops the unused ones.
     for user in site.node.users:
         if user.op != "call_function" or user.target is not operator.getitem:
             return "its (output, weights) tuple is used as a whole"
         if user.args[1] != 0 and user.users:
-            return "the attention weights (output 1) are used"
+            return _NEED_WEIGHTS
     if a["bias_k"] is not None or a["bias_v"] is not None:
         return "add_bias_kv=True: bias_k/bias_v append a learned key/value position"
     if a["add_zero_attn"]:
@@ -173,8 +175,9 @@ def _mha_reason(site: ModuleSite) -> str | None:
         return "in_proj_weight is None"
     query, key, value = (site.value(n) for n in ("query", "key", "value"))
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-        return f"query/key/value are {query.dim()}/{key.dim()}/{value.dim()}-D, not batched (L, B, E)"
-    (length, batch, embed), src_len = _static_shape(query), _static_shape(key)[0]
+        dims = f"{query.dim()}/{key.dim()}/{value.dim()}"
+        return f"query/key/value are {dims}-D, not batched (L, B, E)"
+    (_, batch, embed), src_len = _static_shape(query), _static_shape(key)[0]
     if embed % a["num_heads"]:
         return f"embed_dim {embed} is not a multiple of num_heads {a['num_heads']}"
     kpm, attn_mask = a["key_padding_mask"], a["attn_mask"]
@@ -193,7 +196,7 @@ def _mha_reason(site: ModuleSite) -> str | None:
         if mask.dtype != torch.bool and not mask.is_floating_point():
             return f"key_padding_mask dtype {mask.dtype}"
         if _static_shape(mask) != (batch, src_len):
-            return f"key_padding_mask of shape {_static_shape(mask)}, not (B, S) = {(batch, src_len)}"
+            return f"key_padding_mask of shape {_static_shape(mask)}, not (B, S) {(batch, src_len)}"
     return None
 
 
@@ -210,9 +213,10 @@ def _encoder_layer_reason(site: ModuleSite) -> str | None:
     mask, mask_type = site.value("mask"), a["mask_type"]
     if mask_type != 1:
         return (
-            f"dense mask of shape {_static_shape(mask)} (mask_type={mask_type}): the layer's fast "
-            "path merged src_mask (dropping is_causal) into it; for a causal layer, disable the fast "
-            "path (torch.backends.mha.set_fastpath_enabled(False)) so is_causal reaches the attention"
+            f"dense mask of shape {_static_shape(mask)} (mask_type={mask_type}): the layer's "
+            "fast path merged src_mask (dropping is_causal) into it; for a causal layer, disable "
+            "the fast path (torch.backends.mha.set_fastpath_enabled(False)) so is_causal reaches "
+            "the attention"
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         return f"mask dtype {mask.dtype}"
@@ -241,10 +245,12 @@ def decompose_attention_modules(
             )
         counters["ring_rewrite"]["skipped"] += 1
         records = gm.meta.setdefault("ring_rewrite_sites", [])
-        records.append(SiteRecord(len(records), site.location, site.kind, site.shapes, reason=reason))
+        index = len(records)
+        records.append(SiteRecord(index, site.location, site.kind, site.shapes, reason=reason))
     if not todo:
         return gm
-    ids = _sdpa_site_ids(gm, {site.node for site in todo}, len(gm.meta.get("ring_rewrite_sites", ())))
+    first = len(gm.meta.get("ring_rewrite_sites", ()))
+    ids = _sdpa_site_ids(gm, {site.node for site in todo}, first)
     for site in todo:
         _decompose(gm, site, ids[site.node])
         counters["ring_rewrite"]["decomposed"] += 1
@@ -285,8 +291,12 @@ class _Attention:
     src_len: int  # S, key/value positions
     embed_dim: int
     heads: int
-    in_proj: str  # "self" (q is k is v), "kv" (k is v), "split", "separate" (q/k/v_proj_weight)
-    mask: str | None  # key padding: "ignore" (bool, True = ignore), "additive", "nonzero" (ignore)
+    in_proj: Literal["self", "kv", "split", "separate"]
+    """Packed weights for q is k is v ("self"), for k is v ("kv"), chunked in three ("split");
+    or q/k/v_proj_weight ("separate")."""
+    mask: Literal["ignore", "additive", "nonzero"] | None
+    """The key-padding mask: bool with True = ignore, additive float, or float whose nonzero
+    entries ignore the key."""
     dropout_p: float
     is_causal: bool
 
@@ -317,8 +327,9 @@ def _decompose(gm: fx.GraphModule, site: ModuleSite, index: int) -> None:
                  "ffn_weight_2", "ffn_bias_2", "mask")
     graph, node = gm.graph, site.node
     before = node.prev
+    tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
     with graph.inserting_before(node), role("decompose"):
-        out = emit(RoleTracer(graph, index, node.meta.get("stack_trace")), fn, *(a[n] for n in names))
+        out = emit(tracer, fn, *(a[n] for n in names))
     new = []
     cursor = before.next
     while cursor is not node:
@@ -356,7 +367,8 @@ def _mha_plan(site: ModuleSite) -> _Attention:
         in_proj=in_proj,
         mask=None if kpm is None else "ignore" if kpm.dtype == torch.bool else "additive",
         dropout_p=float(a["dropout_p"]) if a["training"] else 0.0,
-        # With need_weights=False and no key_padding_mask torch drops attn_mask for is_causal.
+        # NOTE: with is_causal, need_weights=False and no key_padding_mask (the guard made sure)
+        # torch drops attn_mask and calls SDPA with is_causal=True; so do we.
         is_causal=bool(a["is_causal"]),
     )
 
@@ -386,7 +398,7 @@ def _encoder_layer_plan(site: ModuleSite) -> _EncoderLayer:
 
 
 def _key_padding(mask: torch.Tensor, plan: _Attention) -> torch.Tensor:
-    """A ``(B, S)`` key-padding mask as an SDPA mask ``(B, 1, 1, S)``: a bool keep-mask or additive."""
+    """``(B, S)`` key padding as an SDPA mask ``(B, 1, 1, S)``: bool keep-mask or additive."""
     if plan.mask == "ignore":
         mask = ~mask
     elif plan.mask == "nonzero":
@@ -394,8 +406,10 @@ def _key_padding(mask: torch.Tensor, plan: _Attention) -> torch.Tensor:
     return mask.view(plan.batch, 1, 1, plan.src_len)
 
 
-def _mha_forward(plan: _Attention, query, key, value, in_w, in_b, q_w, k_w, v_w, out_w, out_b, kpm):
-    """``F.multi_head_attention_forward`` with need_weights=False (its SDPA branch), ``(L, B, E)``."""
+def _mha_forward(
+    plan: _Attention, query, key, value, in_w, in_b, q_w, k_w, v_w, out_w, out_b, kpm
+):
+    """``F.multi_head_attention_forward``'s SDPA branch (need_weights=False) on ``(L, B, E)``."""
     e, h, d = plan.embed_dim, plan.heads, plan.head_dim
     if plan.in_proj == "self":
         proj = F.linear(query, in_w, in_b)
@@ -454,7 +468,9 @@ def _propagate_example_values(nodes: list[fx.Node]) -> None:
     fake_mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         for node in nodes:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
+            args, kwargs = fx.node.map_arg(
+                (node.args, node.kwargs), lambda n: n.meta["example_value"]
+            )
             if node.op == "call_method":
                 value = getattr(args[0], node.target)(*args[1:], **kwargs)
             else:

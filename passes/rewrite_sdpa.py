@@ -30,7 +30,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 from ring_rewrite._roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import resolve_group
+from ring_rewrite.p2p import check_agreement, resolve_group
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
 from .find_sdpa import SdpaSite, find_sdpa_sites, unsupported_reason
@@ -94,10 +94,23 @@ def rewrite_sdpa(
         records.append(SiteRecord(index, site.location, "sdpa", site.shapes, plan=plan))
         rewritten += 1
     gm.meta["ring_rewrite_sites"] = records
+    if world > 1:
+        check_agreement(group, [_agreement_key(r) for r in records])
     if rewritten:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _agreement_key(record: SiteRecord) -> dict:
+    """What every rank must agree on about a site (its plan minus the rank's own part)."""
+    plan = record.plan
+    if plan is None:
+        return {"site": record.site, "reason": record.reason}
+    key = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "rank"}
+    key["branches"] = [(b.w, b.r, len(b.ring)) for b in plan.branches]
+    key["dtype"] = str(plan.dtype)
+    return key
 
 
 def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: int, rank: int) -> SitePlan:

@@ -3,6 +3,7 @@
 from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
 from .backend import backend, register, ring_dilated, ring_dilated_backend
 from .config import RingDilatedConfig
+from .layout import positions, shard, unshard
 from .reference import reference_attention
 from .report import Report, explain
 
@@ -11,9 +12,12 @@ __all__ = [
     "RingDilatedConfig",
     "backend",
     "explain",
+    "positions",
     "reference_attention",
     "ring_dilated",
     "ring_dilated_backend",
+    "shard",
+    "unshard",
 ]
 
 register()

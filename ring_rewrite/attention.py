@@ -77,6 +77,12 @@ class SitePlan:
         )  # fmt: skip
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """Blocks run in float32 for half inputs: on CPU the half kernels are no faster, and each
+        branch's result would otherwise be rounded before the merge (SPEC §5)."""
+        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+
+    @property
     def n_local(self) -> int:
         return self.n // self.world
 
@@ -114,7 +120,7 @@ def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torc
     layout = branch.layout
     if mask is None:
         mask = q.new_zeros(1, 1, 1)
-    keys = mask.to(plan.dtype).unsqueeze(-1).expand(plan.batch, plan.hq, layout.n, 1)
+    keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(plan.batch, plan.hq, layout.n, 1)
     return layout.dilate_q(keys, fill=_NEG_INF).transpose(-1, -2)
 
 
@@ -195,6 +201,13 @@ def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
     return out, lse, token
 
 
+def _dilate(plan: SitePlan, layout, *xs, kv: bool = False):
+    dilate = layout.dilate_kv if kv else layout.dilate_q
+    if plan.compute_dtype == plan.dtype:
+        return [dilate(x) for x in xs]
+    return [dilate(x).to(plan.compute_dtype) for x in xs]
+
+
 def site_forward(plan: SitePlan, q, k, v, mask=None):
     """``(q, k, v[, mask]) -> (out, saved)``; ``mask`` is an additive key bias ``(B|1, Hq|1, N)``."""
     token = new_token(q) if plan.world > 1 else None
@@ -204,7 +217,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None):
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         with role("dilate", branch=i):
-            qd, kd, vd = layout.dilate_q(ql), layout.dilate_kv(kl), layout.dilate_kv(vl)
+            (qd,) = _dilate(plan, layout, ql)
+            kd, vd = _dilate(plan, layout, kl, vl, kv=True)
             bias = _branch_bias(plan, branch, ql, mask)
         if branch.is_local:
             with role("attention", branch=i):
@@ -292,9 +306,9 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         with role("dilate", branch=i):
-            qd, kd, vd = layout.dilate_q(ql), layout.dilate_kv(kl), layout.dilate_kv(vl)
+            qd, dod, od = _dilate(plan, layout, ql, dol, out)
+            kd, vd = _dilate(plan, layout, kl, vl, kv=True)
             bias = _branch_bias(plan, branch, ql, mask)
-            dod, od = layout.dilate_q(dol), layout.dilate_q(out)
             lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
         if branch.is_local:
             with role("attention_backward", branch=i):

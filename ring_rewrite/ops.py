@@ -35,8 +35,14 @@ def _kernels(device: torch.device):
     )
 
 
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """The CPU flash kernels read the last dim as contiguous (aten's SDPA checks this too)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _pad_head_dims(q, k, v):
     """The CPU flash kernel needs one head size for q, k and v: pad the smaller with zeros."""
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     d, dv = q.shape[-1], v.shape[-1]
     if d < dv:
         q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
@@ -102,6 +108,7 @@ def block_attention_backward(
     _, bwd = _kernels(q.device)
     d, dv = q.shape[-1], v.shape[-1]
     qp, kp, vp = _pad_head_dims(q, k, v)
+    dout, out = _unit_stride(dout), _unit_stride(out)
     if dv < d:
         dout, out = F.pad(dout, (0, d - dv)), F.pad(out, (0, d - dv))
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.

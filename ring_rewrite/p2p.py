@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch._library.effects import EffectType
 
-__all__ = ["ring_send_recv", "all_gather_seq", "new_token", "resolve_group"]
+__all__ = ["ring_send_recv", "all_gather_seq", "new_token", "resolve_group", "check_agreement"]
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -47,6 +48,7 @@ def ring_send_recv(
     ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    counters["ring_rewrite"]["bytes_sent"] += x.numel() * x.element_size()
     return received, token + 1
 
 
@@ -83,6 +85,7 @@ def all_gather_seq(
     x = x.contiguous()
     out = x.new_empty((world, *x.shape))
     dist.all_gather(list(out.unbind(0)), x, group=group)
+    counters["ring_rewrite"]["bytes_sent"] += x.numel() * x.element_size() * (world - 1)
     return out, token + 1
 
 
@@ -103,3 +106,38 @@ def resolve_group(group) -> tuple[dist.ProcessGroup | None, int, int]:
     elif not isinstance(group, dist.ProcessGroup):
         group = group.get_group()  # a 1-D DeviceMesh
     return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_agreement(group: dist.ProcessGroup, sites: list[dict]) -> None:
+    """Raise on every rank, naming the difference, unless all ranks planned the same ``sites``.
+
+    Ranks that disagree (another sequence length, another config) would otherwise exchange
+    mismatched messages and hang until the group timeout.
+    """
+    world = dist.get_world_size(group)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, sites, group=group)
+    mine = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if len(theirs) != len(mine):
+            raise RuntimeError(
+                f"ring_dilated: ranks disagree on the rewrite: {len(mine)} attention sites on "
+                f"rank 0 but {len(theirs)} on rank {rank}"
+            )
+        for a, b in zip(mine, theirs):
+            if ("reason" in a) != ("reason" in b):
+                raise RuntimeError(
+                    f"ring_dilated: ranks disagree on the rewrite of attention site "
+                    f"{a.get('site')}: " + " but ".join(
+                        f"left alone on rank {r} ({x['reason']})" if "reason" in x
+                        else f"rewritten on rank {r}"
+                        for r, x in ((0, a), (rank, b))
+                    )
+                )
+            for key in [*a, *(k for k in b if k not in a)]:
+                if a.get(key) != b.get(key):
+                    raise RuntimeError(
+                        f"ring_dilated: ranks disagree on the rewrite of attention site "
+                        f"{a.get('site')}: {key}={a.get(key)!r} on rank 0 but "
+                        f"{key}={b.get(key)!r} on rank {rank}"
+                    )

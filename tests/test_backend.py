@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
@@ -174,14 +173,3 @@ def test_graphs_logged_through_torch_logs():
     assert "block_attention" in logged.stderr
     quiet = run_python(code)
     assert quiet.returncode == 0 and "ring_dilated rewrite" not in quiet.stderr
-
-
-def test_more_than_one_rank_is_refused_until_the_ring_lands():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        with pytest.raises(Exception, match="ring across ranks is not implemented yet"):
-            torch.compile(Attend(), backend=ring_rewrite.backend(compiler="eager"))(*qkv())
-    finally:
-        dist.destroy_process_group()

@@ -49,6 +49,10 @@ def sdpa_nodes(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
 
 
+def _role(node) -> str | None:
+    return node.meta.get("ring_rewrite", {}).get("role")
+
+
 def _leaf(t):
     if isinstance(t, torch.Tensor) and t.is_floating_point():
         return t.detach().clone().requires_grad_()
@@ -99,12 +103,14 @@ def _mha_case(case: str, batch_first: bool):
         return {}, [x, y, z], lambda m, x, y, z: m(x, y, z, need_weights=False)[0]
     if case == "separate":  # kdim / vdim != embed_dim: q/k/v_proj_weight
         kv = [_seq(batch_first, 24), _seq(batch_first, 16)]
-        return {"kdim": 24, "vdim": 16}, [x, *kv], lambda m, x, k, v: m(x, k, v, need_weights=False)[0]
+        run = lambda m, x, k, v: m(x, k, v, need_weights=False)[0]  # noqa: E731
+        return {"kdim": 24, "vdim": 16}, [x, *kv], run
     if case == "no_bias":
         return {"bias": False}, [x], lambda m, x: m(x, x, x, need_weights=False)[0]
     if case == "causal":
         mask = nn.Transformer.generate_square_subsequent_mask(L)
-        return {}, [x], lambda m, x: m(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)[0]
+        run = lambda m, x: m(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)[0]  # noqa: E731
+        return {}, [x], run
     raise AssertionError(case)
 
 
@@ -265,7 +271,7 @@ def test_graph_has_no_module_node_and_no_sdpa_left(kind):
     ]
     (record,) = recorder.records
     assert record.rewritten and record.kind == "sdpa"
-    decomposed = [n for n in gm.graph.nodes if n.meta.get("ring_rewrite", {}).get("role") == "decompose"]
+    decomposed = [n for n in gm.graph.nodes if _role(n) == "decompose"]
     assert decomposed
     for node in decomposed:
         assert node.meta["ring_rewrite"] == {"site": record.site, "role": "decompose"}
@@ -279,17 +285,26 @@ def test_site_ids_follow_graph_order_after_skipped_sites():
     plain, weighted = nn.MultiheadAttention(E, H), nn.MultiheadAttention(E, H)
 
     def fn(x):
-        a = weighted(x, x, x)[0]  # need_weights=True by default: left alone, site 0
-        return plain(a, a, a, need_weights=False)[0]  # decomposed: its SDPA is site 1
+        a, weights = weighted(x, x, x)  # weights used: left alone, site 0
+        return plain(a, a, a)[0] + weights.sum()  # decomposed: its SDPA is site 1
 
     recorder = Capture()
     torch.compile(fn, backend=recorder, fullgraph=True)(torch.randn(L, B, E))
     skipped, rewritten = recorder.records
     assert (skipped.site, skipped.kind, rewritten.site, rewritten.kind) == (0, MHA, 1, "sdpa")
     (gm,) = recorder.graphs
-    sites = {n.meta["ring_rewrite"]["site"] for n in gm.graph.nodes
-             if n.meta.get("ring_rewrite", {}).get("role") == "decompose"}
+    sites = {n.meta["ring_rewrite"]["site"] for n in gm.graph.nodes if _role(n) == "decompose"}
     assert sites == {1}
+
+
+def test_default_need_weights_with_unused_weights_is_decomposed():
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, L, E)
+    recorder = Capture()
+    actual = torch.compile(lambda x: m(x, x, x)[0], backend=recorder, fullgraph=True)(x)
+    torch.testing.assert_close(actual, m(x, x, x)[0], rtol=1e-5, atol=1e-5)
+    assert counters["ring_rewrite"]["decomposed"] == 1
+    assert [r.rewritten for r in recorder.records] == [True]
 
 
 # ---- left alone -----------------------------------------------------------------------------
@@ -297,12 +312,13 @@ def test_site_ids_follow_graph_order_after_skipped_sites():
 
 def _left_alone_case(case: str):
     x = torch.randn(B, L, E)
-    if case == "need_weights":
-        m = nn.MultiheadAttention(E, H, batch_first=True)
-        return lambda x: m(x, x, x)[0], x, "need_weights=True: the N x N attention weights"
     if case == "weights_used":
         m = nn.MultiheadAttention(E, H, batch_first=True)
-        return lambda x: m(x, x, x)[1].sum() + m(x, x, x)[0], x, "need_weights=True"
+        def use_weights(x):
+            out, weights = m(x, x, x)
+            return out + weights.sum()
+
+        return use_weights, x, "the attention weights (output 1) are used"
     if case == "add_bias_kv":
         m = nn.MultiheadAttention(E, H, batch_first=True, add_bias_kv=True)
         return lambda x: m(x, x, x, need_weights=False)[0], x, "add_bias_kv=True"
@@ -328,7 +344,7 @@ def _left_alone_case(case: str):
     raise AssertionError(case)
 
 
-LEFT_ALONE = ["need_weights", "weights_used", "add_bias_kv", "add_zero_attn", "dense_mask",
+LEFT_ALONE = ["weights_used", "add_bias_kv", "add_zero_attn", "dense_mask",
               "causal_and_padding", "encoder_layer_src_mask"]
 
 
@@ -347,7 +363,7 @@ def test_unsupported_module_is_left_alone_with_reason(case):
     assert [r.site for r in recorder.records] == list(range(len(recorder.records)))
 
 
-@pytest.mark.parametrize("case", ["need_weights", "dense_mask"])
+@pytest.mark.parametrize("case", ["add_bias_kv", "dense_mask"])
 def test_pass_returns_graph_unchanged_when_nothing_is_supported(case):
     fn, x, reason = _left_alone_case(case)
     gm, inputs = capture(fn, x)
@@ -360,11 +376,11 @@ def test_pass_returns_graph_unchanged_when_nothing_is_supported(case):
 
 
 def test_strict_raises_on_unsupported_module():
-    fn, x, _ = _left_alone_case("add_bias_kv")
+    fn, x, _ = _left_alone_case("add_zero_attn")
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         torch.compile(fn, backend=ring_rewrite.backend(compiler="eager", strict=True))(x)
     assert isinstance(info.value.inner_exception, UnsupportedSiteError)
-    assert "add_bias_kv=True" in str(info.value.inner_exception)
+    assert "add_zero_attn=True" in str(info.value.inner_exception)
 
 
 def test_sharded_mode_refuses_to_leave_a_module_alone():
@@ -372,7 +388,7 @@ def test_sharded_mode_refuses_to_leave_a_module_alone():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    fn, x, _ = _left_alone_case("need_weights")
+    fn, x, _ = _left_alone_case("add_bias_kv")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
@@ -380,7 +396,8 @@ def test_sharded_mode_refuses_to_leave_a_module_alone():
     finally:
         dist.destroy_process_group()
     assert isinstance(info.value.inner_exception, UnsupportedSiteError)
-    assert "sharded mode cannot leave it alone: need_weights=True" in str(info.value.inner_exception)
+    message = str(info.value.inner_exception)
+    assert "sharded mode cannot leave it alone: add_bias_kv=True" in message
 
 
 # ---- dilated ---------------------------------------------------------------------------------

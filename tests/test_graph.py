@@ -152,27 +152,27 @@ class GraphModule(torch.nn.Module):
             permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
             getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
             reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
-            view_1 = k.view(1, 2, 1, 8, 1, -1);  k = None
+            view_1 = dout.view(1, 2, 1, 8, 1, -1);  dout = None
             permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
-            reshape_1 = permute_1.reshape(1, 2, 8, -1);  permute_1 = None
-            view_2 = v.view(1, 2, 1, 8, 1, -1);  v = None
+            getitem_1 = permute_1[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_1 = None
+            reshape_1 = getitem_1.reshape(1, 2, 8, -1);  getitem_1 = None
+            view_2 = out.view(1, 2, 1, 8, 1, -1);  out = None
             permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
-            reshape_2 = permute_2.reshape(1, 2, 8, -1);  permute_2 = None
-            view_3 = dout.view(1, 2, 1, 8, 1, -1);  dout = None
+            getitem_2 = permute_2[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_2 = None
+            reshape_2 = getitem_2.reshape(1, 2, 8, -1);  getitem_2 = None
+            view_3 = k.view(1, 2, 1, 8, 1, -1);  k = None
             permute_3 = view_3.permute(0, 2, 1, 4, 3, 5);  view_3 = None
-            getitem_1 = permute_3[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_3 = None
-            reshape_3 = getitem_1.reshape(1, 2, 8, -1);  getitem_1 = None
-            view_4 = out.view(1, 2, 1, 8, 1, -1);  out = None
+            reshape_3 = permute_3.reshape(1, 2, 8, -1);  permute_3 = None
+            view_4 = v.view(1, 2, 1, 8, 1, -1);  v = None
             permute_4 = view_4.permute(0, 2, 1, 4, 3, 5);  view_4 = None
-            getitem_2 = permute_4[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_4 = None
-            reshape_4 = getitem_2.reshape(1, 2, 8, -1);  getitem_2 = None
+            reshape_4 = permute_4.reshape(1, 2, 8, -1);  permute_4 = None
             unsqueeze = lse.unsqueeze(-1);  lse = None
             view_5 = unsqueeze.view(1, 2, 1, 8, 1, -1);  unsqueeze = None
             permute_5 = view_5.permute(0, 2, 1, 4, 3, 5);  view_5 = None
             getitem_3 = permute_5[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_5 = None
             reshape_5 = getitem_3.reshape(1, 2, 8, -1);  getitem_3 = None
             squeeze = reshape_5.squeeze(-1);  reshape_5 = None
-            block_attention_backward = torch.ops.ring_rewrite.block_attention_backward(reshape_3, reshape, reshape_1, reshape_2, reshape_4, squeeze, None, 0.5, True);  reshape_3 = reshape = reshape_1 = reshape_2 = reshape_4 = squeeze = None
+            block_attention_backward = torch.ops.ring_rewrite.block_attention_backward(reshape_1, reshape, reshape_3, reshape_4, reshape_2, squeeze, None, 0.5, True);  reshape_1 = reshape = reshape_3 = reshape_4 = reshape_2 = squeeze = None
             getitem_4 = block_attention_backward[0]
             getitem_5 = block_attention_backward[1]
             getitem_6 = block_attention_backward[2];  block_attention_backward = None

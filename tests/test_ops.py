@@ -204,11 +204,6 @@ def _last_dim_strided(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG ops.py: the CPU flash kernels assume last-dim stride 1 (aten's SDPA dispatcher "
-    "checks it before choosing flash); block_attention(_backward) pass inputs through unchecked",
-)
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_non_unit_last_dim_stride(which):
     shape = (4, 2, 8, 8, 7, 7)  # D == Dv: no zero padding that would copy the strided input

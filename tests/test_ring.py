@@ -1,0 +1,101 @@
+"""The ring across gloo ranks: numerics against the float64 reference (SPEC §3, §5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ranks import run_ranks
+
+BOUND = 1e-5
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def _case(rank, world, case):
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    segs, rates, causal, sharding, layout, hq, hkv, n = case
+    torch.manual_seed(0)
+    q = torch.randn(2, hq, n, 16, requires_grad=True)
+    k = torch.randn(2, hkv, n, 16, requires_grad=True)
+    v = torch.randn(2, hkv, n, 16, requires_grad=True)
+    grad_out = torch.randn(2, hq, n, 16)
+    ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, is_causal=causal)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out.double())
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+
+    options = dict(
+        segment_lengths=segs, dilation_rates=rates, sharding=sharding, layout=layout,
+        compiler="aot_eager",
+    )  # fmt: skip
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="ring_dilated", options=options, fullgraph=True)
+    if sharding == "replicated":
+        inputs, expected, dout = (q, k, v), [ref, *ref_grads], grad_out
+    else:
+        cut = lambda x: ring_rewrite.shard(x.detach(), 2, layout=layout)  # noqa: E731
+        inputs = tuple(cut(x).requires_grad_() for x in (q, k, v))
+        expected, dout = [cut(x) for x in (ref, *ref_grads)], cut(grad_out)
+    out = compiled(*inputs)
+    grads = torch.autograd.grad(out, inputs, dout)
+    errors = [_rel(a, b) for a, b in zip((out, *grads), expected)]
+    assert max(errors) < BOUND, (rank, case, errors)
+
+
+def _cases(rank, world, cases):
+    for case in cases:
+        _case(rank, world, case)
+
+
+# (segment_lengths, dilation_rates, causal, sharding, layout, Hq, Hkv, N)
+CASES_P2 = [
+    (None, None, True, "replicated", "contiguous", 4, 2, 64),
+    (None, None, False, "sharded", "zigzag", 4, 4, 64),
+    ([16, 64], [1, 2], True, "replicated", "zigzag", 4, 2, 64),
+    ([8, 32, 64], [1, 2, 4], False, "sharded", "contiguous", 4, 4, 64),
+    ([8, 32, 64], [1, 2, 4], True, "sharded", "zigzag", 8, 2, 64),
+]
+CASES_P4 = [
+    ([8, 32], [1, 2], True, "sharded", "contiguous", 4, 2, 64),  # w < shard: local; w > shard: sub-ring
+    ([16, 32], [1, 2], True, "replicated", "contiguous", 4, 4, 64),  # w == shard: local
+    ([16, 64], [1, 4], False, "replicated", "zigzag", 4, 2, 64),  # zigzag sub-ring + full ring
+    (None, None, True, "sharded", "zigzag", 4, 2, 64),
+    ([8, 32, 64], [1, 2, 4], True, "replicated", "zigzag", 4, 4, 64),
+]
+
+
+@pytest.mark.parametrize("world, cases", [(2, CASES_P2), (4, CASES_P4)], ids=["P2", "P4"])
+def test_ring_matches_reference(world, cases):
+    run_ranks(world, _cases, cases)
+
+
+def _disagree(rank, world, what):
+    import ring_rewrite  # noqa: F401
+
+    n = 64 if rank == 0 or what != "length" else 128
+    segs = [16, 32] if rank == 0 or what != "config" else [16, 64]
+    q = torch.randn(1, 2, n, 8)
+    options = {"segment_lengths": segs, "dilation_rates": [1, 2], "compiler": "aot_eager"}
+    compiled = torch.compile(
+        lambda q: F.scaled_dot_product_attention(q, q, q), backend="ring_dilated", options=options
+    )
+    with pytest.raises(Exception, match="ranks disagree") as info:
+        compiled(q)
+    message = str(info.value)
+    if what == "length":
+        expected = "n=64 on rank 0 but n=128 on rank 1"
+    else:
+        expected = "branches=[(16, 1, 1), (32, 2, 1)] on rank 0 but branches=[(16, 1, 1), (64, 2, 2)]"
+    assert expected in message, message
+
+
+@pytest.mark.parametrize("what", ["length", "config"])
+def test_ranks_that_disagree_fail_with_a_clear_error(what):
+    run_ranks(2, _disagree, what)
