@@ -108,8 +108,10 @@ def _local(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
     return take_shard(x, 2, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
 
 
-def _gather(plan: SitePlan, x: torch.Tensor, token: torch.Tensor, what: int):
-    stacked, token = torch.ops.ring_rewrite.all_gather_seq(x, token, plan.group_name, plan.world)
+def _gather(plan: SitePlan, x: torch.Tensor, token: torch.Tensor, tag: int, same=None):
+    stacked, token = torch.ops.ring_rewrite.all_gather_seq(
+        x, token, plan.group_name, plan.world, tag, same
+    )
     return assemble(stacked, 2, plan.n_local, world=plan.world, layout=plan.layout), token
 
 
@@ -149,8 +151,17 @@ def _join_parts(parts: list[torch.Tensor], layout) -> torch.Tensor:
 
 
 def _kv_rows(plan: SitePlan, layout, kv: torch.Tensor, blk: Block):
+    """K and V rows of a block; K/V travel in the input dtype and are upcast only here."""
     rows = _rows(kv, layout, blk.k0, blk.k1, layout.kv_heads)
+    if plan.compute_dtype != plan.dtype:
+        rows = rows.to(plan.compute_dtype)
     return rows[..., : plan.d], rows[..., plan.d :]
+
+
+def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
+    """16 query values spread over the whole sequence (replicated mode compares them)."""
+    numel = plan.batch * plan.hq * plan.n * plan.d
+    return q.reshape(-1)[:: max(1, numel // 16)][:16]
 
 
 def _acc(total, x):
@@ -201,9 +212,9 @@ def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
     return out, lse, token
 
 
-def _dilate(plan: SitePlan, layout, *xs, kv: bool = False):
+def _dilate(plan: SitePlan, layout, *xs, kv: bool = False, upcast: bool = True):
     dilate = layout.dilate_kv if kv else layout.dilate_q
-    if plan.compute_dtype == plan.dtype:
+    if not upcast or plan.compute_dtype == plan.dtype:
         return [dilate(x) for x in xs]
     return [dilate(x).to(plan.compute_dtype) for x in xs]
 
@@ -218,7 +229,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None):
         layout = branch.layout
         with role("dilate", branch=i):
             (qd,) = _dilate(plan, layout, ql)
-            kd, vd = _dilate(plan, layout, kl, vl, kv=True)
+            kd, vd = _dilate(plan, layout, kl, vl, kv=True, upcast=branch.is_local)
             bias = _branch_bias(plan, branch, ql, mask)
         if branch.is_local:
             with role("attention", branch=i):
@@ -236,7 +247,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None):
     saved = [q, k, v, out, lse] + ([] if mask is None else [mask])
     if plan.gathers:
         with role("shard"):
-            out, token = _gather(plan, out, token, _GATHER)
+            # A few query values ride along: the ranks must hold the same sequence.
+            out, token = _gather(plan, out, token, plan.tag(0, _GATHER, 0), _probe(plan, q))
     return out, saved
 
 
@@ -307,7 +319,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):
         layout = branch.layout
         with role("dilate", branch=i):
             qd, dod, od = _dilate(plan, layout, ql, dol, out)
-            kd, vd = _dilate(plan, layout, kl, vl, kv=True)
+            kd, vd = _dilate(plan, layout, kl, vl, kv=True, upcast=branch.is_local)
             bias = _branch_bias(plan, branch, ql, mask)
             lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
         if branch.is_local:
@@ -327,5 +339,5 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):
     if plan.gathers:
         with role("shard"):
             for j, g in enumerate(grads):
-                grads[j], token = _gather(plan, g, token, _GATHER)
+                grads[j], token = _gather(plan, g, token, plan.tag(0, _GATHER, 1 + j))
     return (*grads,) if mask is None else (*grads, None)

@@ -33,10 +33,13 @@ class RingDilatedBackend:
     """A dynamo backend: decompose attention modules, rewrite SDPA sites, lower the graph.
 
     ``records`` collects one ``SiteRecord`` per attention site of every graph it compiled.
+    ``inner``, a dynamo backend, replaces ``config.compiler`` for the lowering (tests use it
+    to look at the AOT forward and backward graphs).
     """
 
-    def __init__(self, config: RingDilatedConfig | None = None) -> None:
+    def __init__(self, config: RingDilatedConfig | None = None, *, inner: Callable | None = None) -> None:
         self.config = config or RingDilatedConfig()
+        self.inner = inner
         self.records: list[Any] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
@@ -50,6 +53,8 @@ class RingDilatedBackend:
         gm = rewrite_sdpa(gm, example_inputs, config=config)
         graph_log.debug("%s", lazy_print(gm, "after ring_dilated rewrite"))
         self.records.extend(gm.meta.get("ring_rewrite_sites", ()))
+        if self.inner is not None:
+            return self.inner(gm, example_inputs)
         return _lower(gm, example_inputs, config.compiler)
 
 

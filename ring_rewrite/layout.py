@@ -73,7 +73,7 @@ def unshard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous"
         return x
     if group is not None and not isinstance(group, dist.ProcessGroup):
         group = group.get_group()
-    from torch.distributed.nn.functional import all_gather
+    from torch.distributed._functional_collectives import all_gather_single_autograd
 
-    parts = all_gather(x.contiguous(), group=group or dist.group.WORLD)
-    return assemble(torch.stack(parts), dim, x.shape[dim], world=world, layout=layout)
+    stacked = all_gather_single_autograd(x.contiguous().unsqueeze(0), 0, group or dist.group.WORLD)
+    return assemble(stacked, dim, x.shape[dim], world=world, layout=layout)

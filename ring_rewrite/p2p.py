@@ -78,19 +78,52 @@ ring_send_recv.register_effect(EffectType.ORDERED)
 
 @torch.library.custom_op("ring_rewrite::all_gather_seq", mutates_args=())
 def all_gather_seq(
-    x: torch.Tensor, token: torch.Tensor, group_name: str, world: int
+    x: torch.Tensor,
+    token: torch.Tensor,
+    group_name: str,
+    world: int,
+    tag: int,
+    same: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack every rank's ``x`` along a new leading dim (rank order of the group)."""
+    """Stack every rank's ``x`` along a new leading dim (rank order of the group).
+
+    Collectives carry no tag, so ``tag`` travels in the payload: ranks that gathered different
+    tensors (a schedule gone wrong) fail loudly instead of mixing them. ``same`` (a few values)
+    travels too and must be bitwise equal on every rank: replicated mode checks with it that the
+    ranks really hold the same sequence.
+    """
     group = _group(group_name)
-    x = x.contiguous()
-    out = x.new_empty((world, *x.shape))
-    dist.all_gather(list(out.unbind(0)), x, group=group)
-    counters["ring_rewrite"]["bytes_sent"] += x.numel() * x.element_size() * (world - 1)
-    return out, token + 1
+    check = _tag_bytes(tag, x.device)
+    if same is not None:
+        check = torch.cat([check, same.contiguous().view(-1).view(torch.uint8)])
+    payload = torch.cat([x.contiguous().view(-1).view(torch.uint8), check])
+    gathered = payload.new_empty((world, payload.numel()))
+    dist.all_gather(list(gathered.unbind(0)), payload, group=group)
+    tail = gathered[:, payload.numel() - check.numel() :]
+    tags = tail[:, :8].contiguous().view(torch.int64).view(-1)
+    if not bool((tags == tag).all()):
+        raise RuntimeError(
+            f"ring_rewrite: all_gather_seq mixed transfers: tags {tags.tolist()} (expected {tag} "
+            "on every rank); the ranks ran their collectives in different orders"
+        )
+    differ = [r for r in range(world) if not torch.equal(tail[r], tail[0])]
+    if differ:
+        raise RuntimeError(
+            f"ring_dilated: sharding='replicated' needs the same full sequence on every rank, but "
+            f"the attention inputs of rank(s) {differ} differ from rank 0's (data-parallel inputs? "
+            "use sharding='sharded' with shard(), or a group= of the ranks that share a sequence)"
+        )
+    out = gathered[:, : x.numel() * x.element_size()].contiguous().view(x.dtype)
+    counters["ring_rewrite"]["bytes_sent"] += payload.numel() * (world - 1)
+    return out.view(world, *x.shape), token + 1
+
+
+def _tag_bytes(tag: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([tag], dtype=torch.int64, device=device).view(torch.uint8)
 
 
 @all_gather_seq.register_fake
-def _(x, token, group_name, world):
+def _(x, token, group_name, world, tag, same=None):
     return x.new_empty((world, *x.shape)), token.new_empty(token.shape)
 
 

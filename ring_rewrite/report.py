@@ -13,39 +13,86 @@ from .attention import SitePlan
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
 
-__all__ = ["Report", "explain", "attention_flops", "attention_memory_bytes"]
+__all__ = ["Report", "explain", "attention_flops", "attention_memory_bytes", "bytes_sent"]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _block_pairs(layout, blk) -> int:
+    """Query-key pairs a block computes (rows x rows, the causal diagonal halves)."""
+    q_rows, k_rows = (blk.q1 - blk.q0) * layout.m, (blk.k1 - blk.k0) * layout.m
+    return q_rows * (q_rows + 1) // 2 if blk.causal else q_rows * k_rows
 
 
 def attention_flops(plan: SitePlan) -> int:
-    """Useful forward FLOPs of the site (2 per multiply-add in QK^T and PV, causal halves)."""
+    """Useful forward FLOPs of the site on this rank (2 per multiply-add in QK^T and PV)."""
     total = 0
     for branch in plan.branches:
         layout = branch.layout
-        m = layout.m
-        pairs = m * (m + 1) // 2 if plan.is_causal else m * m
-        total += 2 * plan.batch * plan.hq * layout.nseg * pairs * (plan.d + plan.dv)
+        if branch.is_local:
+            m = layout.m
+            pairs = layout.nseg * (m * (m + 1) // 2 if plan.is_causal else m * m)
+        else:
+            pairs = sum(_block_pairs(layout, blk) for step in branch.steps for blk in step)
+        total += 2 * plan.batch * plan.hq * pairs * (plan.d + plan.dv)
     return total
 
 
 def dense_flops(plan: SitePlan) -> int:
+    """FLOPs of dense SDPA over the whole sequence, split evenly over the ranks."""
     n = plan.n
     pairs = n * (n + 1) // 2 if plan.is_causal else n * n
-    return 2 * plan.batch * plan.hq * pairs * (plan.d + plan.dv)
+    return 2 * plan.batch * plan.hq * pairs * (plan.d + plan.dv) // plan.world
+
+
+def bytes_sent(plan: SitePlan) -> dict[str, int]:
+    """Bytes this rank sends per forward and per backward (what the P2P ops count)."""
+    item = _itemsize(plan.dtype)
+    fwd = bwd = 0
+    for branch in plan.branches:
+        if branch.is_local:
+            continue
+        layout = branch.layout
+        rows = layout.batch * layout.nseg * layout.kv_heads * layout.m * (plan.d + plan.dv)
+        hops = len(branch.ring) - 1
+        fwd += hops * rows * item
+        bwd += hops * rows * item + (hops + 1) * rows * 4  # K/V again, then float32 dK/dV
+    if plan.gathers:
+        local = plan.batch * plan.n_local
+        tag = 8
+        probe = min(16, plan.batch * plan.hq * plan.n * plan.d) * item
+        fwd += (plan.world - 1) * (local * plan.hq * plan.dv * item + tag + probe)
+        grads = local * (plan.hq * plan.d + plan.hkv * (plan.d + plan.dv)) * item + 3 * tag
+        bwd += (plan.world - 1) * grads
+    return {"forward": fwd, "backward": bwd}
 
 
 def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
-    """Activation memory of the site per rank: saved for backward, and the largest branch workspace."""
-    item = torch.empty((), dtype=plan.dtype).element_size()
-    rows = plan.batch * plan.hq * plan.n
+    """Activation memory of the site on this rank: saved for backward, and the largest branch
+    workspace (its dilated q, two K/V blocks in flight, float32 accumulators)."""
+    item, compute = _itemsize(plan.dtype), _itemsize(plan.compute_dtype)
+    rows = plan.batch * plan.hq * plan.n_local
     saved = rows * plan.dv * item + rows * 4  # merged out + float32 lse (q, k, v are the inputs')
     workspace = 0
     for branch in plan.branches:
         layout = branch.layout
         q_rows = plan.batch * plan.hq * layout.padded // layout.r
         kv_rows = plan.batch * layout.kv_heads * layout.padded // layout.r
-        branch = q_rows * (plan.d + plan.dv) * item + q_rows * 4 + kv_rows * (plan.d + plan.dv) * item
-        workspace = max(workspace, branch)
+        in_flight = 1 if branch.is_local else 2
+        workspace = max(
+            workspace,
+            q_rows * plan.d * compute
+            + q_rows * (plan.dv + 1) * 4
+            + in_flight * kv_rows * (plan.d + plan.dv) * item,
+        )
     return {"saved": saved, "workspace": workspace}
+
+
+def _branch_summary(branch) -> str:
+    where = "local" if branch.is_local else f"ring {len(branch.ring)}"
+    return f"({branch.w},{branch.r}) {where}"
 
 
 def _mib(n: int) -> str:
@@ -83,14 +130,18 @@ class Report:
                 row.update({"branches (w, r)": "-", "status": f"left alone: {r.reason}"})
             else:
                 plan = r.plan
-                mem = attention_memory_bytes(plan)
+                mem, sent = attention_memory_bytes(plan), bytes_sent(plan)
                 row.update(
                     {
-                        "branches (w, r)": " ".join(f"({b.w},{b.r})" for b in plan.branches),
+                        "branches (w, r)": " ".join(_branch_summary(b) for b in plan.branches),
+                        "P / mode / layout": f"{plan.world} / {plan.sharding} / {plan.layout}"
+                        if plan.world > 1
+                        else "1",
                         "causal": plan.is_causal,
                         "status": "rewritten",
                         "GFLOP fwd (dense)": f"{attention_flops(plan) / 1e9:.3g} "
                         f"({dense_flops(plan) / 1e9:.3g})",
+                        "MiB sent fwd / bwd": f"{_mib(sent['forward'])} / {_mib(sent['backward'])}",
                         "MiB saved / work": f"{_mib(mem['saved'])} / {_mib(mem['workspace'])}",
                     }
                 )
@@ -101,6 +152,7 @@ class Report:
         if not self.records:
             return "ring_dilated: no attention site found"
         head = f"ring_dilated: {len(self.rewritten)} of {len(self.records)} attention sites rewritten"
+        head += " (per rank)" if any(r.plan is not None and r.plan.world > 1 for r in self.records) else ""
         return head + "\n" + tabulate(self.rows(), headers="keys", tablefmt="simple")
 
 

@@ -156,7 +156,7 @@ def test_explain_report():
     text = str(report)
     assert text.startswith("ring_dilated: 1 of 2 attention sites rewritten")
     assert "left alone: dropout_p=0.5 > 0" in text
-    assert "(8,1) (16,2)" in text
+    assert "(8,1) local (16,2) local" in text
     assert "test_backend.py:" in text
 
 

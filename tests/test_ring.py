@@ -18,6 +18,8 @@ def _rel(a, b):
 def _case(rank, world, case):
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
+    from ring_rewrite.report import bytes_sent
+    from torch._dynamo.utils import counters
 
     segs, rates, causal, sharding, layout, hq, hkv, n = case
     torch.manual_seed(0)
@@ -36,17 +38,25 @@ def _case(rank, world, case):
         compiler="aot_eager",
     )  # fmt: skip
     torch._dynamo.reset()
-    compiled = torch.compile(attend, backend="ring_dilated", options=options, fullgraph=True)
+    backend = ring_rewrite.backend(**options)
+    compiled = torch.compile(attend, backend=backend, fullgraph=True)
     if sharding == "replicated":
         inputs, expected, dout = (q, k, v), [ref, *ref_grads], grad_out
     else:
         cut = lambda x: ring_rewrite.shard(x.detach(), 2, layout=layout)  # noqa: E731
         inputs = tuple(cut(x).requires_grad_() for x in (q, k, v))
         expected, dout = [cut(x) for x in (ref, *ref_grads)], cut(grad_out)
+    sent = counters["ring_rewrite"]
+    sent["bytes_sent"] = 0
     out = compiled(*inputs)
+    forward_bytes, sent["bytes_sent"] = sent["bytes_sent"], 0
     grads = torch.autograd.grad(out, inputs, dout)
     errors = [_rel(a, b) for a, b in zip((out, *grads), expected)]
     assert max(errors) < BOUND, (rank, case, errors)
+    # The report's plan is what the P2P ops counted (issue 3: bytes per rank as planned).
+    (record,) = backend.records
+    planned = bytes_sent(record.plan)
+    assert (forward_bytes, sent["bytes_sent"]) == (planned["forward"], planned["backward"])
 
 
 def _cases(rank, world, cases):
@@ -99,3 +109,36 @@ def _disagree(rank, world, what):
 @pytest.mark.parametrize("what", ["length", "config"])
 def test_ranks_that_disagree_fail_with_a_clear_error(what):
     run_ranks(2, _disagree, what)
+
+
+def _mixed_gathers(rank, world):
+    from ring_rewrite import p2p  # noqa: F401  (registers the ops)
+
+    group = torch.distributed.group.WORLD.group_name
+    x = torch.full((3,), float(rank), dtype=torch.bfloat16)
+    out, _ = torch.ops.ring_rewrite.all_gather_seq(x, torch.zeros(1), group, world, 7)
+    assert out.tolist() == [[0.0] * 3, [1.0] * 3]
+    with pytest.raises(RuntimeError, match="mixed transfers: tags \\[7, 8\\]"):
+        torch.ops.ring_rewrite.all_gather_seq(x, torch.zeros(1), group, world, 7 + rank)
+
+
+def test_gathers_in_different_orders_fail_loudly():
+    run_ranks(2, _mixed_gathers)
+
+
+def _different_data(rank, world):
+    import ring_rewrite  # noqa: F401
+
+    torch.manual_seed(rank)  # data-parallel style: every rank has its own batch
+    q = torch.randn(1, 2, 32, 8)
+    compiled = torch.compile(
+        lambda q: F.scaled_dot_product_attention(q, q, q),
+        backend="ring_dilated",
+        options={"compiler": "aot_eager"},
+    )
+    with pytest.raises(Exception, match="needs the same full sequence on every rank"):
+        compiled(q)
+
+
+def test_replicated_mode_refuses_different_sequences_per_rank():
+    run_ranks(2, _different_data)
