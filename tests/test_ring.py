@@ -142,3 +142,21 @@ def _different_data(rank, world):
 
 def test_replicated_mode_refuses_different_sequences_per_rank():
     run_ranks(2, _different_data)
+
+
+def _send_recv_autograd(rank, world):
+    from ring_rewrite import p2p  # noqa: F401  (registers the ops)
+
+    group = torch.distributed.group.WORLD.group_name
+    x = torch.full((4,), float(rank + 1), requires_grad=True)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    y, token = torch.ops.ring_rewrite.ring_send_recv(x, torch.zeros(1), group, nxt, prv, 11)
+    assert y.tolist() == [float(prv + 1)] * 4 and token.item() == 1
+    weight = 10.0 * (rank + 1)
+    (y * weight).sum().backward()
+    # x went to the next rank, which scaled it by its weight: that is x's gradient.
+    assert x.grad.tolist() == [10.0 * (nxt + 1)] * 4
+
+
+def test_send_recv_autograd_is_the_shift_back():
+    run_ranks(4, _send_recv_autograd)
