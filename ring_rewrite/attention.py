@@ -150,12 +150,20 @@ def _join_parts(parts: list[torch.Tensor], layout) -> torch.Tensor:
     return stacked.flatten(0, 1)
 
 
-def _kv_rows(plan: SitePlan, layout, kv: torch.Tensor, blk: Block):
+def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block):
     """K and V rows of a block; K/V travel in the input dtype and are upcast only here."""
-    rows = _rows(kv, layout, blk.k0, blk.k1, layout.kv_heads)
+    rows = [_rows(x, layout, blk.k0, blk.k1, layout.kv_heads) for x in kv]
     if plan.compute_dtype != plan.dtype:
-        rows = rows.to(plan.compute_dtype)
-    return rows[..., : plan.d], rows[..., plan.d :]
+        rows = [x.to(plan.compute_dtype) for x in rows]
+    return rows
+
+
+def _send_recv(plan: SitePlan, branch: BranchPlan, xs: list[torch.Tensor], token, tag: int):
+    """Send ``xs`` one step along the branch's ring: ``(received, next token)``."""
+    got = torch.ops.ring_rewrite.ring_send_recv(
+        xs, token, plan.group_name, branch.send_to, branch.recv_from, tag
+    )
+    return [got[j] for j in range(len(xs))], got[len(xs)]
 
 
 def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
@@ -175,17 +183,14 @@ def _acc(total, x):
 def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
     """Out and lse of one ring branch, dilated; K/V travel while each step computes."""
     layout = branch.layout
-    kv = torch.cat([kd, vd], -1)  # one message per step
+    kv = [kd, vd]
     acc_out: list = [None] * layout.nseg
     acc_lse: list = [None] * layout.nseg
     for step, blocks in enumerate(branch.steps):
         if step + 1 < len(branch.ring):
             # NOTE: the next transfer is issued before this step's compute.
             with role("p2p", branch=i, step=step):
-                incoming, token = torch.ops.ring_rewrite.ring_send_recv(
-                    kv, token, plan.group_name, branch.send_to, branch.recv_from,
-                    plan.tag(i, _KV, step),
-                )  # fmt: skip
+                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV, step))
         for blk in blocks:
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
@@ -258,18 +263,16 @@ def site_forward(plan: SitePlan, q, k, v, mask=None):
 def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
     """dq and, back at their owner, dk and dv of one ring branch (all dilated, float32)."""
     layout = branch.layout
-    kv = torch.cat([kd, vd], -1)
+    kv = [kd, vd]
     dkv = None
     dq_parts: list = [None] * layout.nseg
     last = len(branch.ring) - 1
     for step, blocks in enumerate(branch.steps):
         if step < last:
             with role("p2p", branch=i, step=step):
-                incoming, token = torch.ops.ring_rewrite.ring_send_recv(
-                    kv, token, plan.group_name, branch.send_to, branch.recv_from,
-                    plan.tag(i, _KV_BACK, step),
-                )  # fmt: skip
-        dkv_parts: list = [None] * layout.nseg
+                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV_BACK, step))
+        dk_parts: list = [None] * layout.nseg
+        dv_parts: list = [None] * layout.nseg
         for blk in blocks:
             with role("attention_backward", branch=i, step=step):
                 dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
@@ -283,30 +286,35 @@ def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
                     blk.causal,
                 )
             with role("merge", branch=i, step=step):
-                for part, x in zip(range(blk.q0, blk.q1), _split_rows(dq, layout, blk.q0, blk.q1)):
-                    dq_parts[part] = _acc(dq_parts[part], x)
-                dkv_rows = torch.cat([dk.float(), dv.float()], -1)
-                for part, x in zip(range(blk.k0, blk.k1), _split_rows(dkv_rows, layout, blk.k0, blk.k1)):
-                    dkv_parts[part] = _acc(dkv_parts[part], x)
+                for parts, x, (p0, p1) in (
+                    (dq_parts, dq, (blk.q0, blk.q1)),
+                    (dk_parts, dk, (blk.k0, blk.k1)),
+                    (dv_parts, dv, (blk.k0, blk.k1)),
+                ):
+                    for part, piece in zip(range(p0, p1), _split_rows(x, layout, p0, p1)):
+                        parts[part] = _acc(parts[part], piece.float())
         if blocks:
             with role("merge", branch=i, step=step):
-                zeros = (layout.batch, layout.kv_heads, layout.m, plan.d + plan.dv)
-                here = _join_parts(
-                    [p if p is not None else kv.new_zeros(zeros, dtype=torch.float32) for p in dkv_parts],
-                    layout,
-                )
-                # The accumulator that arrived last step belongs to the K/V held now.
-                dkv = here if dkv is None else dkv + here
+                here = [
+                    _join_parts([_or_zeros(p, layout, channels, kd) for p in parts], layout)
+                    for parts, channels in ((dk_parts, plan.d), (dv_parts, plan.dv))
+                ]
+                # The accumulators that arrived last step belong to the K/V held now.
+                dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
         # NOTE: dK/dV travel one step behind K/V and make one more hop: home.
         with role("p2p", branch=i, step=step):
-            dkv, token = torch.ops.ring_rewrite.ring_send_recv(
-                dkv, token, plan.group_name, branch.send_to, branch.recv_from,
-                plan.tag(i, _DKV, step),
-            )  # fmt: skip
+            dkv, token = _send_recv(plan, branch, dkv, token, plan.tag(i, _DKV, step))
         if step < last:
             kv = incoming
-    dq = _join_parts(dq_parts, layout)
-    return dq, dkv[..., : plan.d], dkv[..., plan.d :], token
+    return _join_parts(dq_parts, layout), dkv[0], dkv[1], token
+
+
+def _or_zeros(part, layout, channels: int, like: torch.Tensor):
+    """A part's float32 gradient, or zeros where no block of this step touched it."""
+    if part is not None:
+        return part
+    shape = (layout.batch, layout.kv_heads, layout.m, channels)
+    return like.new_zeros(shape, dtype=torch.float32)
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):

@@ -36,40 +36,52 @@ def new_token(like: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("ring_rewrite::ring_send_recv", mutates_args=())
 def ring_send_recv(
-    x: torch.Tensor, token: torch.Tensor, group_name: str, send_to: int, recv_from: int, tag: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send ``x`` to global rank ``send_to`` and receive a tensor like it from ``recv_from``."""
+    xs: list[torch.Tensor],
+    token: torch.Tensor,
+    group_name: str,
+    send_to: int,
+    recv_from: int,
+    tag: int,
+) -> list[torch.Tensor]:
+    """Send ``xs`` to global rank ``send_to``, receive tensors like them from ``recv_from``.
+
+    Returns the received tensors followed by the next token. Message ``i`` goes under tag
+    ``4 * tag + i`` (so at most 4 tensors per call).
+    """
+    assert len(xs) <= 4, "ring_send_recv sends at most 4 tensors per call"
     group = _group(group_name)
-    x = x.contiguous()
-    received = torch.empty_like(x)
-    ops = [
-        dist.P2POp(dist.isend, x, send_to, group, tag),
-        dist.P2POp(dist.irecv, received, recv_from, group, tag),
-    ]
+    xs = [x.contiguous() for x in xs]
+    received = [torch.empty_like(x) for x in xs]
+    ops = [dist.P2POp(dist.isend, x, send_to, group, 4 * tag + i) for i, x in enumerate(xs)]
+    ops += [dist.P2POp(dist.irecv, r, recv_from, group, 4 * tag + i) for i, r in enumerate(received)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    counters["ring_rewrite"]["bytes_sent"] += x.numel() * x.element_size()
-    return received, token + 1
+    counters["ring_rewrite"]["bytes_sent"] += sum(x.numel() * x.element_size() for x in xs)
+    return [*received, token + 1]
 
 
 @ring_send_recv.register_fake
-def _(x, token, group_name, send_to, recv_from, tag):
-    return x.new_empty(x.shape), token.new_empty(token.shape)
+def _(xs, token, group_name, send_to, recv_from, tag):
+    return [*(x.new_empty(x.shape) for x in xs), token.new_empty(token.shape)]
 
 
-def _send_recv_backward(ctx, grad, _grad_token):
+# Tags of the shift back (autograd) stay clear of the forward's: steps are < _BACKWARD_TAG.
+_BACKWARD_TAG = 512
+
+
+def _send_recv_backward(ctx, grads):
     # The adjoint of a shift is the shift back.
-    if grad is None:
-        return (None,) * 6
-    back, _ = ring_send_recv(
-        grad, ctx.token, ctx.group_name, ctx.recv_from, ctx.send_to, ctx.tag + 1
+    grads = [g if g is not None else torch.zeros(s, dtype=d) for g, (s, d) in zip(grads, ctx.specs)]
+    back = ring_send_recv(
+        grads, ctx.token, ctx.group_name, ctx.recv_from, ctx.send_to, ctx.tag + _BACKWARD_TAG
     )
-    return back, None, None, None, None, None
+    return back[:-1], None, None, None, None, None
 
 
 def _send_recv_setup(ctx, inputs, output):
-    _, token, ctx.group_name, ctx.send_to, ctx.recv_from, ctx.tag = inputs
-    ctx.token = output[1].detach()
+    xs, token, ctx.group_name, ctx.send_to, ctx.recv_from, ctx.tag = inputs
+    ctx.specs = [(x.shape, x.dtype) for x in xs]
+    ctx.token = output[-1].detach()
 
 
 ring_send_recv.register_autograd(_send_recv_backward, setup_context=_send_recv_setup)

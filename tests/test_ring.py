@@ -150,7 +150,7 @@ def _send_recv_autograd(rank, world):
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((4,), float(rank + 1), requires_grad=True)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
-    y, token = torch.ops.ring_rewrite.ring_send_recv(x, torch.zeros(1), group, nxt, prv, 11)
+    y, token = torch.ops.ring_rewrite.ring_send_recv([x], torch.zeros(1), group, nxt, prv, 11)
     assert y.tolist() == [float(prv + 1)] * 4 and token.item() == 1
     weight = 10.0 * (rank + 1)
     (y * weight).sum().backward()

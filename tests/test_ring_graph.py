@@ -57,13 +57,13 @@ def _compile_on_rank(rank: int, config: RingDilatedConfig, is_causal: bool, n_lo
     return graphs
 
 
-def _transfers(gm) -> list[tuple[int, tuple[int, ...]]]:
-    """``(tag, shape)`` of every ring transfer of an AOT graph, in graph order."""
+def _transfers(gm) -> list[tuple[int, tuple[tuple[int, ...], ...]]]:
+    """``(tag, shapes sent)`` of every ring transfer of an AOT graph, in graph order."""
     found = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and SEND_RECV in node.args:
             sent = node.args[node.args.index(SEND_RECV) + 1]
-            found.append((node.args[-1], tuple(sent.meta["val"].shape)))
+            found.append((node.args[-1], tuple(tuple(x.meta["val"].shape) for x in sent)))
     return found
 
 
@@ -113,7 +113,8 @@ def test_only_dilated_rows_travel(per_rank):
     plan = per_rank[0]["plan"]
     for tag, shape in _transfers(per_rank[0]["fw"]):
         layout = plan.branches[_branch_of(tag)].layout
-        assert shape == (layout.batch * layout.nseg, layout.kv_heads, layout.m, plan.d + plan.dv)
+        rows = (layout.batch * layout.nseg, layout.kv_heads, layout.m)
+        assert shape == ((*rows, plan.d), (*rows, plan.dv))
 
 
 def test_each_transfer_is_issued_before_the_compute_it_overlaps(per_rank):
