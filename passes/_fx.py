@@ -17,14 +17,19 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 class RoleTracer(fx.proxy.GraphAppendingTracer):
     """Appends to ``graph``; every node gets ``meta["ring_rewrite"]`` and the site's stack trace."""
 
-    def __init__(self, graph: fx.Graph, site: int, stack_trace: str | None) -> None:
+    def __init__(
+        self, graph: fx.Graph, site: int, stack_trace: str | None, module_stack: Any = None
+    ) -> None:
         super().__init__(graph)
         self.site = site
         self.stack_trace = stack_trace
+        self.module_stack = module_stack
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
         stamp(node, self.site, self.stack_trace)
+        if self.module_stack is not None:
+            node.meta["nn_module_stack"] = self.module_stack
         return node
 
 
@@ -59,7 +64,13 @@ def trace_subgraph(
 def location(node: fx.Node) -> str:
     """``file:line`` of the user's code that produced ``node`` (last frame of its stack trace)."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    if not frames:
-        return "?"
-    path, line = frames[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
+    if frames:
+        path, line = frames[-1]
+        return f"{path.rsplit('/', 1)[-1]}:{line}"
+    # Dynamo keeps no user frame for code inside a compiled nn.Module's own library modules
+    # (nn.TransformerEncoder, say): name the module instead.
+    modules = node.meta.get("nn_module_stack") or {}
+    if modules:
+        path, _ = list(modules.values())[-1]
+        return path.removeprefix("L['self'].").replace("L['fn'].", "") or "?"
+    return "?"

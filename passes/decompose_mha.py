@@ -327,7 +327,9 @@ def _decompose(gm: fx.GraphModule, site: ModuleSite, index: int) -> None:
                  "ffn_weight_2", "ffn_bias_2", "mask")
     graph, node = gm.graph, site.node
     before = node.prev
-    tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
+    tracer = RoleTracer(
+        graph, index, node.meta.get("stack_trace"), node.meta.get("nn_module_stack")
+    )
     with graph.inserting_before(node), role("decompose"):
         out = emit(tracer, fn, *(a[n] for n in names))
     new = []

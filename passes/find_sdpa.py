@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ._fx import location
 
-__all__ = ["SdpaSite", "find_sdpa_sites", "unsupported_reason", "SDPA_TARGETS"]
+__all__ = ["SdpaSite", "bind_sdpa", "find_sdpa_sites", "unsupported_reason", "SDPA_TARGETS"]
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -52,27 +52,34 @@ class SdpaSite:
 
 
 def find_sdpa_sites(gm: fx.GraphModule) -> list[SdpaSite]:
-    sites = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in SDPA_TARGETS:
-            bound = dict(_DEFAULTS)
-            bound.update(zip(_SIGNATURE, node.args))
-            bound.update(node.kwargs)
-            sites.append(
-                SdpaSite(
-                    node=node,
-                    query=bound["query"],
-                    key=bound["key"],
-                    value=bound["value"],
-                    attn_mask=bound["attn_mask"],
-                    dropout_p=bound["dropout_p"],
-                    is_causal=bound["is_causal"],
-                    scale=bound["scale"],
-                    enable_gqa=bound["enable_gqa"],
-                    location=location(node),
-                )
-            )
-    return sites
+    return [
+        bind_sdpa(node)
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target in SDPA_TARGETS
+    ]
+
+
+def bind_sdpa(node: fx.Node) -> SdpaSite:
+    """The record of one SDPA node, from its arguments as they are now.
+
+    NOTE: a rewrite replaces uses of the node it rewrites, so a later site fed by an earlier
+    one must be bound again after that rewrite (``rewrite_sdpa`` does).
+    """
+    bound = dict(_DEFAULTS)
+    bound.update(zip(_SIGNATURE, node.args))
+    bound.update(node.kwargs)
+    return SdpaSite(
+        node=node,
+        query=bound["query"],
+        key=bound["key"],
+        value=bound["value"],
+        attn_mask=bound["attn_mask"],
+        dropout_p=bound["dropout_p"],
+        is_causal=bound["is_causal"],
+        scale=bound["scale"],
+        enable_gqa=bound["enable_gqa"],
+        location=location(node),
+    )
 
 
 def unsupported_reason(site: SdpaSite) -> str | None:

@@ -33,7 +33,7 @@ from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.p2p import check_agreement, resolve_group
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
-from .find_sdpa import SdpaSite, find_sdpa_sites, unsupported_reason
+from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, unsupported_reason
 
 __all__ = ["rewrite_sdpa", "SiteRecord", "UnsupportedSiteError"]
 
@@ -66,7 +66,8 @@ def rewrite_sdpa(
     group, world, rank = resolve_group(config.group)
     sharded = config.sharding == "sharded" and world > 1
     rewritten = 0
-    for site in find_sdpa_sites(gm):
+    for node in [site.node for site in find_sdpa_sites(gm)]:
+        site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
         index = len(records)
         reason = unsupported_reason(site)
         plan = None

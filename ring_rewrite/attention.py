@@ -343,7 +343,8 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):
             dq = _acc(dq, layout.undilate_q(dqd))
             dk = _acc(dk, layout.accumulate_kv(dkd, plan.d))
             dv = _acc(dv, layout.accumulate_kv(dvd, plan.dv))
-    grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
+    with role("undilate"):
+        grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
     if plan.gathers:
         with role("shard"):
             for j, g in enumerate(grads):

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._dynamo.testing import normalize_gm
 from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
 
 from passes import UnsupportedSiteError, rewrite_sdpa
 from passes.find_sdpa import SDPA_TARGETS
-from ring_rewrite import RingDilatedConfig
+from ring_rewrite import RingDilatedConfig, testing
+from ring_rewrite.testing import assert_expected_graph, assert_left_alone, assert_rewritten
 
 from conftest import Capture
 
@@ -20,10 +20,8 @@ ATTN = torch.ops.ring_rewrite.block_attention
 ATTN_BWD = torch.ops.ring_rewrite.block_attention_backward
 
 
-def capture(fn, *args, **config) -> Capture:
-    be = Capture(**config)
-    torch.compile(fn, backend=be, fullgraph=True)(*args)
-    return be
+def capture(fn, *args, **config) -> testing.Capture:
+    return testing.capture(fn, *args, fullgraph=True, **config)
 
 
 def calls(gm: fx.GraphModule, target) -> list[fx.Node]:
@@ -46,10 +44,15 @@ def qkv(b=1, hq=4, hkv=2, n=32, d=8):
     "segments, rates", [(None, None), ([32], [1]), ([8, 16], [1, 2]), ([8, 16, 32], [1, 2, 4])]
 )
 def test_rewritten_site_shape(segments, rates):
-    be = capture(attention, *qkv(), segment_lengths=segments, dilation_rates=rates)
-    (gm,) = be.graphs
+    cap = capture(attention, *qkv(), segment_lengths=segments, dilation_rates=rates)
+    (gm,) = cap.after
     branches = 1 if segments is None else len(segments)
+    assert_rewritten(cap, 1)
     assert sdpa_nodes(gm) == []
+    diff = cap.diff()
+    assert diff.removed_by_op == {"scaled_dot_product_attention": 1}
+    (summary,) = diff.sites
+    assert summary.attention == (branches, branches) and summary.transfers == (0, 0)
     (site,) = calls(gm, autograd_function_apply)
     assert site.meta["ring_rewrite"] == {"site": 0, "role": "site"}
     fwd, bwd = (getattr(gm, a.target) for a in site.args[:2])
@@ -66,14 +69,13 @@ def test_rewritten_site_shape(segments, rates):
     roles = {n.meta["ring_rewrite"]["role"] for n in fwd.graph.nodes if n.op != "output"}
     expected = {"input", "dilate", "attention", "undilate"} | ({"merge"} if branches else set())
     assert roles == expected
-    assert {r.rewritten for r in be.records} == {True}
     assert counters["ring_rewrite"]["rewritten"] == 1
 
 
 def test_forward_order_per_branch():
     """Each branch dilates, attends, then undilates; the merge comes after every branch."""
-    be = capture(attention, *qkv(), segment_lengths=[8, 16], dilation_rates=[1, 2])
-    (gm,) = be.graphs
+    cap = capture(attention, *qkv(), segment_lengths=[8, 16], dilation_rates=[1, 2])
+    (gm,) = cap.after
     fwd = getattr(gm, "ring_rewrite_fwd_0")
     sequence = []
     for node in fwd.graph.nodes:
@@ -92,8 +94,8 @@ def test_same_graph_module_returned_when_nothing_rewritten():
     def no_attention(x):
         return x.relu() + 1
 
-    be = capture(no_attention, torch.randn(4))
-    (gm,) = be.graphs
+    cap = capture(no_attention, torch.randn(4))
+    (gm,) = cap.after
     code = gm.code
     assert rewrite_sdpa(gm, [], config=RingDilatedConfig()) is gm
     assert gm.code == code
@@ -103,9 +105,8 @@ def test_expected_graph_small_case():
     def f(q):
         return F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
-    be = capture(f, torch.randn(1, 2, 8, 4))
-    (gm,) = be.graphs
-    assert normalize_gm(gm.print_readable(print_output=False)) == EXPECTED_SMALL
+    cap = capture(f, torch.randn(1, 2, 8, 4))
+    assert_expected_graph(cap.after, expected=EXPECTED_SMALL)
 
 
 EXPECTED_SMALL = """\
@@ -239,13 +240,11 @@ def _inputs(fn):
     [*UNSUPPORTED, pytest.param(_mask_requires_grad, "attn_mask requires grad", id="learned-mask")],
 )
 def test_unsupported_site_left_alone(fn, reason):
-    args = _inputs(fn)
-    be = capture(fn, *args)
-    (gm,) = be.graphs
+    cap = capture(fn, *_inputs(fn))
+    (gm,) = cap.after
     assert len(sdpa_nodes(gm)) == 1
-    assert calls(gm, autograd_function_apply) == []
-    (record,) = be.records
-    assert not record.rewritten and reason in record.reason
+    assert_rewritten(cap, 0)
+    record = assert_left_alone(cap, site=0, reason=reason)
     assert "test_graph.py" in record.location
     assert counters["ring_rewrite"]["skipped"] == 1
 
@@ -262,11 +261,12 @@ def test_only_supported_sites_rewritten():
     def two(q, k, v):
         return _dropout(q, k, v) + F.scaled_dot_product_attention(q, k, v)
 
-    be = capture(two, *_inputs(two))
-    (gm,) = be.graphs
+    cap = capture(two, *_inputs(two))
+    (gm,) = cap.after
     assert len(sdpa_nodes(gm)) == 1
     assert len(calls(gm, autograd_function_apply)) == 1
-    assert [r.rewritten for r in be.records] == [False, True]
+    assert_rewritten(cap, 1)
+    assert_left_alone(cap, site=0, reason="dropout_p=0.1")
     assert dict(counters["ring_rewrite"]) == {"skipped": 1, "rewritten": 1}
 
 
@@ -276,11 +276,25 @@ def test_key_padding_mask_becomes_bias_input():
 
     q, k, v = qkv(hkv=4)
     keep = torch.ones(1, 1, 1, 32, dtype=torch.bool)
-    be = capture(masked, q, k, v, keep, segment_lengths=[8, 32], dilation_rates=[1, 2])
-    (gm,) = be.graphs
+    cap = capture(masked, q, k, v, keep, segment_lengths=[8, 32], dilation_rates=[1, 2])
+    (gm,) = cap.after
+    assert cap.diff().added_by_role["mask"] >= 1
     (site,) = calls(gm, autograd_function_apply)
     assert len(site.args) == 6  # fwd, bwd, q, k, v, bias
     bias = site.args[5]
     assert bias.meta["ring_rewrite"]["role"] == "mask"
     fwd = getattr(gm, site.args[0].target)
     assert all(n.args[3] is not None for n in calls(fwd, ATTN))
+
+
+def test_chained_sites_both_rewritten():
+    """A site whose query is the previous site's output is bound after that rewrite."""
+
+    def chained(q, k, v):
+        return F.scaled_dot_product_attention(F.scaled_dot_product_attention(q, k, v), k, v)
+
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    be = Capture(compiler="aot_eager")
+    out = torch.compile(chained, backend=be, fullgraph=True)(q, k, v)
+    assert [r.rewritten for r in be.records] == [True, True]
+    torch.testing.assert_close(out, chained(q, k, v), rtol=1e-5, atol=1e-6)
