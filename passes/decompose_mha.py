@@ -128,16 +128,24 @@ class ModuleSite:
 
 
 def find_attention_module_sites(gm: fx.GraphModule) -> list[ModuleSite]:
-    sites = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _KINDS:
-            continue
-        kind, signature = _KINDS[node.target]
-        bound = signature.bind(*node.args, **node.kwargs)
-        bound.apply_defaults()
-        args = types.MappingProxyType(dict(bound.arguments))
-        sites.append(ModuleSite(node, kind, args, location(node)))
-    return sites
+    return [
+        bind_module_site(node)
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target in _KINDS
+    ]
+
+
+def bind_module_site(node: fx.Node) -> ModuleSite:
+    """The record of one attention-module node, from its arguments as they are now.
+
+    NOTE: decomposing a node replaces its uses, so a later module fed by an earlier one must be
+    bound again after that decomposition (``decompose_attention_modules`` does).
+    """
+    kind, signature = _KINDS[node.target]
+    bound = signature.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    args = types.MappingProxyType(dict(bound.arguments))
+    return ModuleSite(node, kind, args, location(node))
 
 
 def unsupported_reason(site: ModuleSite) -> str | None:
@@ -252,6 +260,7 @@ def decompose_attention_modules(
     first = len(gm.meta.get("ring_rewrite_sites", ()))
     ids = _sdpa_site_ids(gm, {site.node for site in todo}, first)
     for site in todo:
+        site = bind_module_site(site.node)  # its inputs may be modules decomposed just now
         _decompose(gm, site, ids[site.node])
         counters["ring_rewrite"]["decomposed"] += 1
     gm.graph.lint()

@@ -433,3 +433,17 @@ def test_dilated_mha_matches_reference(is_causal):
     assert rel_err(x.grad, x64.grad) < 1e-5
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-5, name
+
+
+def test_chained_modules_are_bound_after_the_previous_decomposition():
+    """The second of two chained module nodes reads the first's decomposed output."""
+    first, second = nn.MultiheadAttention(E, H), nn.MultiheadAttention(E, H)
+
+    def chained(x):
+        a = first(x, x, x, need_weights=False)[0]
+        return second(a, a, a, need_weights=False)[0]
+
+    x = torch.randn(L, B, E)
+    out = torch.compile(chained, backend=ring_rewrite.backend(compiler="eager"), fullgraph=True)(x)
+    torch.testing.assert_close(out, chained(x), rtol=1e-5, atol=1e-5)
+    assert counters["ring_rewrite"]["decomposed"] == 2
