@@ -77,6 +77,8 @@ ACCEPT_ENV = "RING_REWRITE_ACCEPT"
 """Set to ``1`` to (re)write the files ``assert_expected_graph`` compares against."""
 
 _SDPA = ("scaled_dot_product_attention",)
+# What a site left alone still shows: its SDPA node, or its attention-module node.
+_LEFT_ALONE = (*_SDPA, "multi_head_attention_forward", "_transformer_encoder_layer_fwd")
 _ATTENTION = "ring_rewrite.block_attention"
 _ATTENTION_BWD = "ring_rewrite.block_attention_backward"
 _P2P = {"ring_rewrite.ring_send_recv": "send_recv", "ring_rewrite.all_gather_seq": "all_gather"}
@@ -724,8 +726,8 @@ def _site_name(record: Any) -> str:
     return f"site {record.site} ({record.location})"
 
 
-def _sdpa_locations(gm: fx.GraphModule) -> list[str]:
-    return [_location(n) for _, n in _walk(gm) if op_label(n) in _SDPA]
+def _left_alone_locations(gm: fx.GraphModule) -> list[str]:
+    return [_location(n) for _, n in _walk(gm) if op_label(n) in _LEFT_ALONE]
 
 
 def assert_rewritten(result: Any, n: int | None = None) -> None:
@@ -733,7 +735,8 @@ def assert_rewritten(result: Any, n: int | None = None) -> None:
 
     ``result`` is a ``Capture``, a ``Report``, a ``RingDilatedBackend`` or a list of site
     records. With a ``Capture`` the graphs must agree too: one ``autograd_function_apply`` site
-    node per rewritten site and an SDPA node still in place for each site left alone.
+    node per rewritten site and an SDPA (or attention-module) node still in place for each site
+    left alone.
     """
     __tracebackhide__ = True
     records = _records(result)
@@ -754,12 +757,12 @@ def assert_rewritten(result: Any, n: int | None = None) -> None:
             if op_label(node) == "autograd_function_apply"
             and (node.meta.get("ring_rewrite") or {}).get("role") == "site"
         ]
-        left = sum(len(_sdpa_locations(gm)) for gm in result.after)
+        left = sum(len(_left_alone_locations(gm)) for gm in result.after)
         if len(site_nodes) != len(done) or left < len(alone):
             raise AssertionError(
                 f"the site records say {len(done)} rewritten and {len(alone)} left alone, but the "
-                f"rewritten graphs hold {len(site_nodes)} rewritten site node(s) and {left} SDPA "
-                f"node(s)\n\n{result.diff()}"
+                f"rewritten graphs hold {len(site_nodes)} rewritten site node(s) and {left} "
+                f"attention node(s) left in place\n\n{result.diff()}"
             )
 
 
@@ -768,7 +771,7 @@ def assert_left_alone(result: Any, site: int | str | None = None, reason: str | 
     ``reason``; returns its record.
 
     ``site`` is a site id or a substring of its ``file:line`` location; ``None`` means any site.
-    With a ``Capture`` the site's SDPA node must also still be in its graph.
+    With a ``Capture`` the site's SDPA (or attention-module) node must also still be in its graph.
     """
     __tracebackhide__ = True
     records = _records(result)
@@ -793,10 +796,10 @@ def assert_left_alone(result: Any, site: int | str | None = None, reason: str | 
     record = matching[0]
     if isinstance(result, Capture) and record.location != "?":
         for index, rec in result.sites():
-            if rec is record and record.location not in _sdpa_locations(result.after[index]):
+            if rec is record and record.location not in _left_alone_locations(result.after[index]):
                 raise AssertionError(
                     f"{_site_name(record)} is recorded as left alone ({record.reason}), but graph "
-                    f"{index} no longer holds its SDPA node\n\n{result.diff()}"
+                    f"{index} no longer holds its attention node\n\n{result.diff()}"
                 )
     return record
 

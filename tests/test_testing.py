@@ -405,3 +405,18 @@ def _line_of(marker: str) -> int:
     lines = Path(__file__).read_text().splitlines()
     (line,) = [i for i, text in enumerate(lines, 1) if text.endswith(marker)]
     return line
+
+
+def test_assert_rewritten_counts_a_module_left_alone():
+    """A left-alone nn.MultiheadAttention keeps its module node, not an SDPA node."""
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def mixer(x):
+        a = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        out, weights = mha(a[0], a[0], a[0])  # weights used: left alone
+        return out + weights.sum()
+
+    cap = testing.capture(mixer, torch.randn(1, 2, 16, 16))
+    testing.assert_rewritten(cap, 1)
+    record = testing.assert_left_alone(cap, reason="attention weights")
+    assert record.kind == "multi_head_attention_forward"
