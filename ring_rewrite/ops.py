@@ -113,12 +113,15 @@ def block_attention_backward(
         dout, out = F.pad(dout, (0, d - dv)), F.pad(out, (0, d - dv))
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-    dq, dk, dv_ = bwd(dout, qp, kp, vp, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
-    return (
-        dq[..., :d].contiguous(),
-        dk[..., :d].contiguous(),
-        dv_[..., :dv].contiguous(),
-    )
+    grads = list(bwd(dout, qp, kp, vp, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale))
+    # The kernel's gradients are laid out (B, L, H, D); make each contiguous and drop the
+    # original before the next copy, so at most one gradient is held twice.
+    result = []
+    for i, channels in enumerate((d, d, dv)):
+        grad, grads[i] = grads[i], None
+        result.append(grad[..., :channels].contiguous())
+        del grad
+    return tuple(result)
 
 
 @block_attention_backward.register_fake

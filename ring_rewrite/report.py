@@ -70,24 +70,33 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
 
 
 def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
-    """Activation memory of the site on this rank: saved for backward, and the largest branch
-    workspace (its dilated q, two K/V blocks in flight, float32 accumulators)."""
+    """Estimated activation memory of the site on this rank, in bytes.
+
+    ``saved``: what forward keeps for backward (merged out and float32 lse; q, k, v are the
+    inputs'). ``forward`` / ``backward``: the peak of the largest branch while it runs, with the
+    gradients it returns: its dilated q (and dO, O), K/V held and arriving, float32 block
+    results and accumulators, and dK/dV held and arriving on a ring.
+    """
     item, compute = _itemsize(plan.dtype), _itemsize(plan.compute_dtype)
     rows = plan.batch * plan.hq * plan.n_local
-    saved = rows * plan.dv * item + rows * 4  # merged out + float32 lse (q, k, v are the inputs')
-    workspace = 0
+    kv_local = plan.batch * plan.hkv * plan.n_local * (plan.d + plan.dv)
+    saved = rows * plan.dv * item + rows * 4
+    grads = (rows * plan.d + kv_local) * item  # dq, dk, dv handed back
+    forward = backward = 0
     for branch in plan.branches:
         layout = branch.layout
         q_rows = plan.batch * plan.hq * layout.padded // layout.r
-        kv_rows = plan.batch * layout.kv_heads * layout.padded // layout.r
-        in_flight = 1 if branch.is_local else 2
-        workspace = max(
-            workspace,
-            q_rows * plan.d * compute
-            + q_rows * (plan.dv + 1) * 4
-            + in_flight * kv_rows * (plan.d + plan.dv) * item,
+        kv = plan.batch * layout.kv_heads * layout.padded // layout.r * (plan.d + plan.dv)
+        ring = 0 if branch.is_local else 1
+        fwd = q_rows * plan.d * compute + (1 + ring) * kv * item + (1 + ring) * q_rows * (plan.dv + 1) * 4
+        bwd = (
+            q_rows * (2 * plan.d + plan.dv + 1) * compute  # dilated q, dO, O, lse
+            + (1 + ring) * kv * item  # K/V held (and arriving)
+            + (1 + 2 * ring) * kv * 4  # block dK/dV (and dK/dV held, arriving)
+            + 2 * q_rows * plan.d * 4  # block dq and its accumulator
         )
-    return {"saved": saved, "workspace": workspace}
+        forward, backward = max(forward, fwd), max(backward, bwd)
+    return {"saved": saved, "forward": forward + rows * plan.dv * 4, "backward": backward + grads}
 
 
 def _branch_summary(branch) -> str:
@@ -142,7 +151,8 @@ class Report:
                         "GFLOP fwd (dense)": f"{attention_flops(plan) / 1e9:.3g} "
                         f"({dense_flops(plan) / 1e9:.3g})",
                         "MiB sent fwd / bwd": f"{_mib(sent['forward'])} / {_mib(sent['backward'])}",
-                        "MiB saved / work": f"{_mib(mem['saved'])} / {_mib(mem['workspace'])}",
+                        "MiB saved / fwd / bwd": f"{_mib(mem['saved'])} / {_mib(mem['forward'])}"
+                        f" / {_mib(mem['backward'])}",
                     }
                 )
             rows.append(row)
