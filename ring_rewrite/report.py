@@ -73,30 +73,23 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
     """Estimated activation memory of the site on this rank, in bytes.
 
     ``saved``: what forward keeps for backward (merged out and float32 lse; q, k, v are the
-    inputs'). ``forward`` / ``backward``: the peak of the largest branch while it runs, with the
-    gradients it returns: its dilated q (and dO, O), K/V held and arriving, float32 block
-    results and accumulators, and dK/dV held and arriving on a ring.
+    inputs'). ``peak``: ``saved`` plus the gradients handed back, plus the largest branch's
+    dilated copies (rate > 1) and ring buffers (K/V arriving, float32 dK/dV held and arriving).
+    Kernel scratch is left out: measured peaks run some 20 % higher (benchmarks/README.md).
     """
     item, compute = _itemsize(plan.dtype), _itemsize(plan.compute_dtype)
     rows = plan.batch * plan.hq * plan.n_local
-    kv_local = plan.batch * plan.hkv * plan.n_local * (plan.d + plan.dv)
     saved = rows * plan.dv * item + rows * 4
-    grads = (rows * plan.d + kv_local) * item  # dq, dk, dv handed back
-    forward = backward = 0
+    grads = (rows * plan.d + plan.batch * plan.hkv * plan.n_local * (plan.d + plan.dv)) * item
+    branch_peak = 0
     for branch in plan.branches:
         layout = branch.layout
         q_rows = plan.batch * plan.hq * layout.padded // layout.r
         kv = plan.batch * layout.kv_heads * layout.padded // layout.r * (plan.d + plan.dv)
-        ring = 0 if branch.is_local else 1
-        fwd = q_rows * plan.d * compute + (1 + ring) * kv * item + (1 + ring) * q_rows * (plan.dv + 1) * 4
-        bwd = (
-            q_rows * (2 * plan.d + plan.dv + 1) * compute  # dilated q, dO, O, lse
-            + (1 + ring) * kv * item  # K/V held (and arriving)
-            + (1 + 2 * ring) * kv * 4  # block dK/dV (and dK/dV held, arriving)
-            + 2 * q_rows * plan.d * 4  # block dq and its accumulator
-        )
-        forward, backward = max(forward, fwd), max(backward, bwd)
-    return {"saved": saved, "forward": forward + rows * plan.dv * 4, "backward": backward + grads}
+        copies = q_rows * (2 * plan.d + plan.dv) * compute + kv * item if layout.r > 1 else 0
+        in_flight = 0 if branch.is_local else kv * item + 2 * kv * 4
+        branch_peak = max(branch_peak, copies + in_flight)
+    return {"saved": saved, "peak": saved + grads + branch_peak}
 
 
 def _branch_summary(branch) -> str:
@@ -151,8 +144,7 @@ class Report:
                         "GFLOP fwd (dense)": f"{attention_flops(plan) / 1e9:.3g} "
                         f"({dense_flops(plan) / 1e9:.3g})",
                         "MiB sent fwd / bwd": f"{_mib(sent['forward'])} / {_mib(sent['backward'])}",
-                        "MiB saved / fwd / bwd": f"{_mib(mem['saved'])} / {_mib(mem['forward'])}"
-                        f" / {_mib(mem['backward'])}",
+                        "MiB saved / peak": f"{_mib(mem['saved'])} / {_mib(mem['peak'])}",
                     }
                 )
             rows.append(row)
