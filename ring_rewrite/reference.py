@@ -1,4 +1,5 @@
-"""Dense float64 reference of SPEC §2 (the log-count bias form). Slow and O(N^2): tests only."""
+"""Dense float64 reference of SPEC §2 (the log-count bias form). Slow and O(N^2): for tests and the
+training demo's first-loss check."""
 
 from __future__ import annotations
 
@@ -36,12 +37,19 @@ def reference_attention(
     is_causal: bool = False,
     scale: float | None = None,
     key_bias: torch.Tensor | None = None,
+    query_chunk: int | None = None,
 ) -> torch.Tensor:
     """Dilated attention of SPEC §2 in float64, differentiable; returns float64.
 
     ``q (B, Hq, N, D)``, ``k (B, Hkv, N, D)``, ``v (B, Hkv, N, Dv)``; ``key_bias`` is an
     additive bias (or a bool keep-mask) broadcast to ``(B, Hq, 1, N)``. With no segment lengths
     this is exact softmax attention.
+
+    ``query_chunk`` computes the queries that many at a time, so the dense scores never exceed
+    ``(B, Hq, query_chunk, N)`` (a float64 check at 16k tokens fits in a few GiB), and each chunk
+    only looks at the keys that one of its queries connects to (with ``is_causal``, none after
+    its last query). Same function (up to float64 rounding of the sums), still differentiable;
+    ``None`` is the one dense pass.
     """
     b, hq, n, d = q.shape
     hkv = k.shape[1]
@@ -53,13 +61,68 @@ def reference_attention(
     q, k, v = q.double(), k.double(), v.double()
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
-    counts = connection_counts(n, hq, branches, is_causal=is_causal, device=q.device)
+    if key_bias is not None and key_bias.dtype == torch.bool:
+        key_bias = torch.zeros(key_bias.shape, dtype=torch.float64).masked_fill(
+            ~key_bias, float("-inf")
+        )
+    if query_chunk is None or query_chunk >= n:
+        counts = connection_counts(n, hq, branches, is_causal=is_causal, device=q.device)
+        return _attend(q, k, v, counts, key_bias, scale)
+    if query_chunk < 1:
+        raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+    outs = []
+    for start in range(0, n, query_chunk):
+        stop = min(start + query_chunk, n)
+        keys = stop if is_causal else n  # causal: no key after the chunk's last query is connected
+        counts = _counts(start, stop, keys, hq, branches, is_causal=is_causal, device=q.device)
+        # Keys no query of the chunk connects to (for any head) only add exp(-inf) = 0: drop them.
+        used = (counts.amax(dim=(0, 1)) > 0).nonzero().squeeze(1)
+        if used.numel() == 0:  # no query of the chunk attends to anything: zeros (SPEC §2)
+            outs.append(q.new_zeros(b, hq, stop - start, v.shape[-1]))
+            continue
+        bias = key_bias
+        if bias is not None and bias.shape[-1] == n:
+            bias = bias[..., used]
+        ks, vs = k[:, :, used], v[:, :, used]
+        outs.append(_attend(q[:, :, start:stop], ks, vs, counts[:, :, used], bias, scale))
+    return torch.cat(outs, dim=2)
+
+
+def _counts(
+    start: int,
+    stop: int,
+    keys: int,
+    heads: int,
+    branches: Sequence[tuple[int, int]],
+    *,
+    is_causal: bool,
+    device=None,
+) -> torch.Tensor:
+    """``connection_counts(...)[:, start:stop, :keys]`` without building the whole matrix.
+
+    The lattice of offset o in a rate-r branch is the strided block ``[o::r, o::r]`` (rows
+    shifted by the chunk start), shared by heads ``o, o + r, ...``: each branch tests
+    same-segment (and causal) on ``1/r^2`` of the entries only.
+    """
+    counts = torch.zeros(heads, stop - start, keys, dtype=torch.float64, device=device)
+    for w, r in branches:
+        for o in range(min(r, heads)):
+            i0 = (o - start) % r  # first row of the chunk with p ≡ o (mod r); keys start at 0
+            if start + i0 >= stop or o >= keys:
+                continue
+            p = torch.arange(start + i0, stop, r, device=device).view(-1, 1)
+            t = torch.arange(o, keys, r, device=device).view(1, -1)
+            connected = (p // w) == (t // w)
+            if is_causal:
+                connected &= t <= p
+            counts[o::r, i0::r, o::r] += connected
+    return counts
+
+
+def _attend(q, k, v, counts, key_bias, scale) -> torch.Tensor:
+    """Softmax attention with the additive bias ``log counts`` (+ ``key_bias``); empty rows give 0."""
     scores = scale * q @ k.transpose(-1, -2) + counts.log()
     if key_bias is not None:
-        if key_bias.dtype == torch.bool:
-            key_bias = torch.zeros(key_bias.shape, dtype=torch.float64).masked_fill(
-                ~key_bias, float("-inf")
-            )
         scores = scores + key_bias.double()
     live = scores.amax(-1, keepdim=True) > float("-inf")
     probs = torch.softmax(torch.where(live, scores, 0.0), dim=-1) * live
