@@ -4,8 +4,14 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: demo test setup clean
 
+# The training demo on RANKS CPU processes (gloo), one thread each; ARGS go to the script
+# (make demo RANKS=8 ARGS="--seq 65536 --steps 200"; see examples/train_longnet.py --help).
+RANKS ?= 4
+ARGS ?=
+
 demo: .venv/.done
-	$(PY) examples/quickstart.py
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(RANKS) \
+		examples/train_longnet.py $(ARGS)
 
 test: .venv/.done
 	$(PY) -m pytest -q
