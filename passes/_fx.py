@@ -12,6 +12,7 @@ import torch.fx as fx
 from ring_rewrite._roles import current
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_LOCAL = re.compile(r"^L\['[^']*'\]\.?")  # dynamo's name of the compiled module: L['self'].
 
 
 class RoleTracer(fx.proxy.GraphAppendingTracer):
@@ -66,11 +67,11 @@ def location(node: fx.Node) -> str:
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     if frames:
         path, line = frames[-1]
-        return f"{path.rsplit('/', 1)[-1]}:{line}"
+        return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}"
     # Dynamo keeps no user frame for code inside a compiled nn.Module's own library modules
     # (nn.TransformerEncoder, say): name the module instead.
     modules = node.meta.get("nn_module_stack") or {}
     if modules:
         path, _ = list(modules.values())[-1]
-        return path.removeprefix("L['self'].").replace("L['fn'].", "") or "?"
+        return _LOCAL.sub("", path) or "?"
     return "?"

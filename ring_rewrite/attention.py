@@ -167,9 +167,9 @@ def _send_recv(plan: SitePlan, branch: BranchPlan, xs: list[torch.Tensor], token
 
 
 def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
-    """16 query values spread over the whole sequence (replicated mode compares them)."""
-    numel = plan.batch * plan.hq * plan.n * plan.d
-    return q.reshape(-1)[:: max(1, numel // 16)][:16]
+    """A few query values spread over the sequence (replicated mode compares them across
+    ranks): a strided view, then a copy of at most ``Hq * 16`` values, never of all of q."""
+    return q[0, :, :: max(1, plan.n // 16), 0].reshape(-1)
 
 
 def _acc(total, x):

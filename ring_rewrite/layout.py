@@ -9,7 +9,8 @@ cores (ranks and sizes as ints) used inside rewritten graphs.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from .p2p import resolve_group
 
 __all__ = ["shard", "unshard", "take_shard", "assemble", "positions"]
 
@@ -52,28 +53,18 @@ def positions(n: int, *, world: int, rank: int, layout: str, device=None) -> tor
     return take_shard(torch.arange(n, device=device), 0, n, world=world, rank=rank, layout=layout)
 
 
-def _world_rank(group) -> tuple[int, int]:
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        group = group.get_group()  # a 1-D DeviceMesh
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def shard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
     """This rank's shard of a full sequence ``x`` along ``dim`` (a view or one copy)."""
-    world, rank = _world_rank(group)
+    _, world, rank = resolve_group(group)
     return take_shard(x, dim, x.shape[dim], world=world, rank=rank, layout=layout)
 
 
 def unshard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
     """The full sequence from every rank's shard ``x`` (all-gather; differentiable)."""
-    world, _ = _world_rank(group)
+    group, world, _ = resolve_group(group)
     if world == 1:
         return x
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        group = group.get_group()
     from torch.distributed._functional_collectives import all_gather_single_autograd
 
-    stacked = all_gather_single_autograd(x.contiguous().unsqueeze(0), 0, group or dist.group.WORLD)
+    stacked = all_gather_single_autograd(x.contiguous().unsqueeze(0), 0, group)
     return assemble(stacked, dim, x.shape[dim], world=world, layout=layout)

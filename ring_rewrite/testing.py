@@ -49,6 +49,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from tabulate import tabulate
 
+from passes._fx import location
+
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
 from .p2p import resolve_group
@@ -82,7 +84,6 @@ _LEFT_ALONE = (*_SDPA, "multi_head_attention_forward", "_transformer_encoder_lay
 _ATTENTION = "ring_rewrite.block_attention"
 _ATTENTION_BWD = "ring_rewrite.block_attention_backward"
 _P2P = {"ring_rewrite.ring_send_recv": "send_recv", "ring_rewrite.all_gather_seq": "all_gather"}
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 # ---- capture ---------------------------------------------------------------------------------
@@ -331,14 +332,6 @@ def graph_text(
     return "\n".join(lines) + "\n"
 
 
-def _location(node: fx.Node) -> str:
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    if not frames:
-        return "?"
-    path, line = frames[-1]
-    return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}"
-
-
 def _walk(gm: fx.GraphModule, prefix: str = "") -> Iterator[tuple[str, fx.Node]]:
     """``(module path, node)`` over ``gm`` and, depth first, the graph modules it references."""
     for node in gm.graph.nodes:
@@ -553,7 +546,7 @@ def _nodes(gm: fx.GraphModule, index: int) -> dict[tuple[str, str, str], NodeInf
         if node.op in ("placeholder", "output"):
             continue
         info = NodeInfo(
-            index, module, node.name, op_label(node), _location(node), node.meta.get("ring_rewrite")
+            index, module, node.name, op_label(node), location(node), node.meta.get("ring_rewrite")
         )
         nodes[(module, node.name, info.op)] = info
     return nodes
@@ -727,7 +720,7 @@ def _site_name(record: Any) -> str:
 
 
 def _left_alone_locations(gm: fx.GraphModule) -> list[str]:
-    return [_location(n) for _, n in _walk(gm) if op_label(n) in _LEFT_ALONE]
+    return [location(n) for _, n in _walk(gm) if op_label(n) in _LEFT_ALONE]
 
 
 def assert_rewritten(result: Any, n: int | None = None) -> None:

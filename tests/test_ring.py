@@ -6,13 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import rel_err
 from ranks import run_ranks
 
 BOUND = 1e-5
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def _case(rank, world, case):
@@ -51,7 +48,7 @@ def _case(rank, world, case):
     out = compiled(*inputs)
     forward_bytes, sent["bytes_sent"] = sent["bytes_sent"], 0
     grads = torch.autograd.grad(out, inputs, dout)
-    errors = [_rel(a, b) for a, b in zip((out, *grads), expected)]
+    errors = [rel_err(a, b) for a, b in zip((out, *grads), expected)]
     assert max(errors) < BOUND, (rank, case, errors)
     # The report's plan is what the P2P ops counted (issue 3: bytes per rank as planned).
     (record,) = backend.records

@@ -420,3 +420,16 @@ def test_assert_rewritten_counts_a_module_left_alone():
     testing.assert_rewritten(cap, 1)
     record = testing.assert_left_alone(cap, reason="attention weights")
     assert record.kind == "multi_head_attention_forward"
+
+
+def test_site_named_by_module_path_without_a_user_frame():
+    """Inside a library module (nn.TransformerEncoder, say) dynamo keeps no user frame: the site
+    is named by its module path, the same way in the records and in the graph checks."""
+    from passes._fx import location
+
+    node = torch.fx.Graph().placeholder("x")
+    node.meta["stack_trace"] = ""
+    node.meta["nn_module_stack"] = {"a": ("L['self'].layers.0", None), "b": ("L['self'].layers.0.self_attn", None)}
+    assert location(node) == "layers.0.self_attn"
+    node.meta["stack_trace"] = '  File "/home/me/model.py", line 12, in forward\n    x = attn(x)\n'
+    assert location(node) == "model.py:12"
