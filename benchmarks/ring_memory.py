@@ -15,6 +15,10 @@ memory freed by the warm-up.
 Bytes sent: ``torch._dynamo.utils.counters["ring_rewrite"]["bytes_sent"]``, read and reset around
 the forward and around the backward.
 
+Writes ``results/ring_memory.json`` (``results/ring_memory_longnet.json`` with ``--config
+longnet``; ``--out`` to change) and, beside it with the same stem, a PNG of the peak per rank
+against P with the ideal 1/P line.
+
     python benchmarks/ring_memory.py                    # exact attention, N = 16384
     python benchmarks/ring_memory.py --config longnet   # segments [N/8, N/4, N/2], rates [1, 2, 4]
 """
@@ -22,71 +26,39 @@ the forward and around the backward.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import datetime
-import gc
-import json
 import os
-import platform
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tabulate import tabulate
 
-ROOT = Path(__file__).resolve().parent.parent
-GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for _common
+from _common import (  # noqa: E402
+    MIB,
+    MMAP_THRESHOLD,
+    RESULTS,
+    can_measure_memory,
+    machine,
+    malloc_setup,
+    pyplot,
+    reset_peak,
+    rss,
+    run_ranks,
+    save_plot,
+    trim,
+    verdict,
+    write_json,
+)
+
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
-MMAP_THRESHOLD = 256 * 1024
 TARGET = 0.35  # SPEC target: attention memory at P=4 <= 0.35x of P=1
-MIB = 2**20
 
 
 # ---- measuring, inside one rank --------------------------------------------------------------
-
-
-def _status() -> dict[str, int]:
-    """VmHWM and VmRSS of this process in bytes (Linux)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-
-
-def _malloc_setup() -> bool:
-    """Serve large allocations with mmap so that freed memory leaves RSS (glibc only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h; setting either fixes both (no dynamic threshold)
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, MMAP_THRESHOLD)
-    )
-
-
-def _trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _bytes_sent() -> int:
@@ -99,19 +71,19 @@ def _bytes_sent() -> int:
 
 def _step(compiled, q, k, v, grad_out) -> dict:
     """One forward + backward; memory relative to the RSS just before it."""
-    _trim()
+    trim()
     dist.barrier()  # NOTE: outside the ring: every rank starts the step together
     _bytes_sent()
-    _reset_peak()
-    base = _status()["VmRSS"]
+    reset_peak()
+    base = rss()["VmRSS"]
     t0 = time.perf_counter()
     out = compiled(q, k, v)
     t1 = time.perf_counter()
-    after_fwd = _status()
+    after_fwd = rss()
     sent_fwd = _bytes_sent()
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     t2 = time.perf_counter()
-    after_bwd = _status()
+    after_bwd = rss()
     sent_bwd = _bytes_sent()
     result = {
         "peak_fwd_bytes": after_fwd["VmHWM"] - base,
@@ -127,101 +99,49 @@ def _step(compiled, q, k, v, grad_out) -> dict:
     return result
 
 
-def _rank(rank: int, world: int, port: int, args: dict, out_dir: str) -> None:
-    malloc_fixed = _malloc_setup()
+def _rank(rank: int, world: int, args: dict) -> dict:
+    """One rank's measurement (``run_ranks`` has joined the gloo group)."""
+    malloc_fixed = malloc_setup()
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
-    try:
-        import ring_rewrite
-        from ring_rewrite.report import attention_memory_bytes, bytes_sent
+    import ring_rewrite
+    from ring_rewrite.report import attention_memory_bytes, bytes_sent
 
-        n, causal = args["seq"], True
-        n_local = n // world
-        torch.manual_seed(rank)
-        shape = (BATCH, HEADS, n_local, HEAD_DIM)
-        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-        grad_out = torch.randn(shape)
-        input_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, grad_out))
+    n, causal = args["seq"], True
+    n_local = n // world
+    torch.manual_seed(rank)
+    shape = (BATCH, HEADS, n_local, HEAD_DIM)
+    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape)
+    input_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, grad_out))
 
-        def attend(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-        options = {"sharding": "sharded", "layout": args["layout"], "compiler": args["compiler"]}
-        if args["segment_lengths"] is not None:
-            options.update(segment_lengths=args["segment_lengths"], dilation_rates=args["dilation_rates"])
-        # The backend object is the registered "ring_dilated" backend with these options; it
-        # also keeps the site's plan, for the report's own memory and bytes estimates.
-        backend = ring_rewrite.backend(**options)
-        compiled = torch.compile(attend, backend=backend, fullgraph=True)
+    options = {"sharding": "sharded", "layout": args["layout"], "compiler": args["compiler"]}
+    if args["segment_lengths"] is not None:
+        options.update(segment_lengths=args["segment_lengths"], dilation_rates=args["dilation_rates"])
+    # The backend object is the registered "ring_dilated" backend with these options; it
+    # also keeps the site's plan, for the report's own memory and bytes estimates.
+    backend = ring_rewrite.backend(**options)
+    compiled = torch.compile(attend, backend=backend, fullgraph=True)
 
-        t0 = time.perf_counter()
-        warm = _step(compiled, q, k, v, grad_out)  # compiles forward and backward
-        warmup_s = time.perf_counter() - t0
-        result = _step(compiled, q, k, v, grad_out)
-        (site,) = backend.records
-        estimate, predicted = attention_memory_bytes(site.plan), bytes_sent(site.plan)
-        result.update(
-            rank=rank, input_bytes=input_bytes, warmup_s=warmup_s, warmup_peak_bytes=warm["peak_bytes"],
-            malloc_mmap_forced=malloc_fixed,
-            report_saved_bytes=estimate["saved"],
-            report_peak_bytes=estimate["peak"],
-            report_sent_fwd_bytes=predicted["forward"], report_sent_bwd_bytes=predicted["backward"],
-        )  # fmt: skip
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, result)
-        if rank == 0:
-            Path(out_dir, f"p{world}.json").write_text(json.dumps(everyone))
-    finally:
-        dist.destroy_process_group()
+    t0 = time.perf_counter()
+    warm = _step(compiled, q, k, v, grad_out)  # compiles forward and backward
+    warmup_s = time.perf_counter() - t0
+    result = _step(compiled, q, k, v, grad_out)
+    (site,) = backend.records
+    estimate, predicted = attention_memory_bytes(site.plan), bytes_sent(site.plan)
+    result.update(
+        rank=rank, input_bytes=input_bytes, warmup_s=warmup_s, warmup_peak_bytes=warm["peak_bytes"],
+        malloc_mmap_forced=malloc_fixed,
+        report_saved_bytes=estimate["saved"],
+        report_peak_bytes=estimate["peak"],
+        report_sent_fwd_bytes=predicted["forward"], report_sent_bwd_bytes=predicted["backward"],
+    )  # fmt: skip
+    return result
 
 
 # ---- driving, in the parent ------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(world: int, args: dict) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _rank, args=(world, _free_port(), args, out_dir), nprocs=world, join=True,
-            start_method="spawn",
-        )  # fmt: skip
-        return json.loads(Path(out_dir, f"p{world}.json").read_text())
-
-
-def _machine() -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
-    try:
-        # 1 when tracked files differ from HEAD (git diff does not write the index).
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode == 1
-    except OSError:
-        dirty = None
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads_per_rank": 1,
-        "git_commit": commit,
-        "git_dirty": dirty,
-    }
 
 
 def _config(name: str, n: int, segments, rates):
@@ -233,6 +153,36 @@ def _config(name: str, n: int, segments, rates):
     return [n // 8, n // 4, n // 2], [1, 2, 4]
 
 
+def _default_out(config: str, overridden: bool) -> Path:
+    """results/ring_memory.json, ring_memory_longnet.json, or ring_memory_custom.json (segments
+    given on the command line): the runs do not overwrite each other."""
+    stem = "ring_memory" + ("_custom" if overridden else "" if config == "exact" else f"_{config}")
+    return RESULTS / f"{stem}.json"
+
+
+def _plot(rows: list[dict], title: str, path: Path) -> None:
+    """Peak per rank against P, with the ideal 1/P line through the smallest P measured."""
+    plt = pyplot()
+    ps = [r["P"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ps, [r["fwd+bwd peak MiB"] for r in rows], "o-", label="fwd+bwd peak (max over ranks)")
+    ax.plot(ps, [r["fwd peak MiB"] for r in rows], "s-", label="fwd peak")
+    ax.plot(ps, [r["report est. MiB"] for r in rows], "x--", label="report estimate")
+    p0, peak0 = ps[0], rows[0]["fwd+bwd peak MiB"]
+    ax.plot(ps, [peak0 * p0 / p for p in ps], ":", color="gray", label=f"ideal: 1/P from P={p0}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(ps, [str(p) for p in ps])
+    ax.set_xlabel("P (ranks)")
+    ax.yaxis.set_major_formatter(lambda y, _: f"{y:g}")
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    save_plot(fig, path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=16384, help="global sequence length N")
@@ -242,12 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiler", choices=["aot_eager", "inductor"], default="aot_eager")
     parser.add_argument("--layout", choices=["contiguous", "zigzag"], default="contiguous")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="values of P")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "ring_memory.json")
+    parser.add_argument(
+        "--out", type=Path,
+        help="JSON path; the PNG goes beside it (default results/ring_memory.json, "
+        "results/ring_memory_longnet.json with --config longnet)",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
-    if not os.path.exists("/proc/self/clear_refs"):
+    if not can_measure_memory():
         parser.error("measuring peak RSS needs Linux (/proc/self/clear_refs and VmHWM)")
     if (opts.segment_lengths is None) != (opts.dilation_rates is None):
         parser.error("--segment-lengths and --dilation-rates go together")
+    out = opts.out or _default_out(opts.config, opts.segment_lengths is not None)
     segments, rates = _config(opts.config, opts.seq, opts.segment_lengths, opts.dilation_rates)
     args = {
         "seq": opts.seq, "layout": opts.layout, "compiler": opts.compiler,
@@ -262,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} cores shared by all ranks, gloo on loopback\n",
         flush=True,
     )
-    machine = _machine()  # before the run: the commit measured
+    record_machine = machine(threads=1)  # before the run: the commit measured
     runs = {}
     for world in opts.ranks:
         if opts.seq % world:
             parser.error(f"N = {opts.seq} is not divisible by P = {world}")
         t0 = time.perf_counter()
-        runs[world] = _run(world, args)
+        runs[world] = run_ranks(_rank, world, args)
         print(f"  P={world}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
     base = max(r["peak_bytes"] for r in runs[1]) if 1 in runs else None
@@ -307,32 +262,29 @@ def main(argv: list[str] | None = None) -> int:
         f"bytes sent equal the report's prediction on every rank: {'yes' if predicted else 'NO'}"
     )
 
-    verdict = None
+    met = None
     if 1 in runs and 4 in runs:
         ratio = next(r["ratio to P=1"] for r in rows if r["P"] == 4)
-        verdict = ratio <= TARGET
-        print(
-            f"\nSPEC target: attention memory at P=4 <= {TARGET}x of P=1: "
-            f"{ratio:.3f}x -> {'met' if verdict else 'NOT met'}"
-        )
+        met = ratio <= TARGET
+        print(f"\nSPEC target: attention memory at P=4 <= {TARGET}x of P=1: {ratio:.3f}x -> {verdict(met)}")
 
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "ring_memory",
-        "machine": machine,
+        "machine": record_machine,
         "setup": {
             **args, "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
             "causal": True, "sharding": "sharded", "config": opts.config,
             "malloc_mmap_threshold_bytes": MMAP_THRESHOLD,
             "memory": "VmHWM increase over VmRSS before the measured forward+backward",
         },  # fmt: skip
-        "target": {"line": f"attention memory at P=4 <= {TARGET}x of P=1", "met": verdict},
+        "target": {"line": f"attention memory at P=4 <= {TARGET}x of P=1", "met": met},
         "bytes_sent_match_report": predicted,
         "rows": rows,
         "ranks": {str(world): ranks for world, ranks in runs.items()},
     }
-    opts.out.write_text(json.dumps(record, indent=2))
-    print(f"\nwrote {opts.out.relative_to(ROOT) if opts.out.is_relative_to(ROOT) else opts.out}")
+    print()
+    write_json(out, record)
+    _plot(rows, f"ring_dilated peak memory per rank, N = {opts.seq}, {config}", out.with_suffix(".png"))
     return 0
 
 

@@ -15,6 +15,17 @@ and log-sum-exp, the fused attention backward run per block with ``(dO, O, L)`` 
 whole function, branch merge weights included. So backward saves only the local ``q, k, v, O, L``
 (O(N/P)), re-dilates them per branch and sends K/V around the ring again, with their dK/dV
 accumulators travelling alongside back to their owner (as ring-flash-attention does).
+
+Note [Head chunks]
+~~~~~~~~~~~~~~~~~~
+Heads never interact, so a ring branch may run its whole ring for a slice of the heads, then
+again for the next slice. The bytes sent do not change; what does is every buffer the ring
+holds at once: K/V arriving while the held ones compute, dK/dV held and arriving, the block's
+gradients. Over all heads those are some eight local-K-sized tensors on top of the four the
+single-device backward also needs (out, dq, dk, dv), which would keep the per-rank peak far above
+1/P of the single-device one; in ``g`` chunks they shrink to ``1/g``. Chunks cost one more
+transfer and kernel call each, so ``SitePlan.head_chunks`` takes as many as divide the dilated kv
+heads while each K/V message stays at least ``RING_CHUNK_BYTES`` (small rings stay whole).
 """
 
 from __future__ import annotations
@@ -32,8 +43,12 @@ from .schedule import Block, BranchPlan, plan_branch
 __all__ = ["SitePlan", "site_forward", "site_backward"]
 
 _NEG_INF = float("-inf")
-# Transfer tags: ((site * 64 + branch) * 4 + direction) * 1024 + step (Note [Ordering the ring's messages]).
+# Transfer tags: (((site * 64 + branch) * 4 + direction) * 64 + chunk) * 1024 + step, modulo
+# 2**28 so that the per-message tags stay within gloo's int (Note [Ordering the ring's messages]).
 _KV, _KV_BACK, _DKV, _GATHER = range(4)
+# A ring branch runs its heads in chunks whose K/V message is at least this large (Note [Head
+# chunks]).
+RING_CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +106,19 @@ class SitePlan:
         """Replicated mode across ranks: take the local shard, re-assemble the full result."""
         return self.world > 1 and self.sharding == "replicated"
 
-    def tag(self, branch: int, direction: int, step: int) -> int:
-        return ((self.site * 64 + branch) * 4 + direction) * 1024 + step
+    def tag(self, branch: int, direction: int, step: int, chunk: int = 0) -> int:
+        return ((((self.site * 64 + branch) * 4 + direction) * 64 + chunk) * 1024 + step) % 2**28
+
+    def head_chunks(self, branch: BranchPlan) -> int:
+        """How many head chunks a ring branch runs in, one after another (Note [Head chunks]):
+        the most that divide its dilated kv heads and keep each K/V message >= 1 MiB."""
+        layout = branch.layout
+        if branch.is_local:
+            return 1
+        message = layout.batch * layout.nseg * layout.kv_heads * layout.m * (self.d + self.dv)
+        message *= torch.empty((), dtype=self.dtype).element_size()
+        fits = [g for g in range(1, layout.kv_heads + 1) if layout.kv_heads % g == 0]
+        return max(g for g in fits if g == 1 or message // g >= RING_CHUNK_BYTES)
 
     def needs_bias(self, branch: BranchPlan) -> bool:
         # Padded keys sit after every real query, so causal attention never sees them.
@@ -150,9 +176,9 @@ def _join_parts(parts: list[torch.Tensor], layout) -> torch.Tensor:
     return stacked.flatten(0, 1)
 
 
-def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block):
+def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block, heads: int):
     """K and V rows of a block; K/V travel in the input dtype and are upcast only here."""
-    rows = [_rows(x, layout, blk.k0, blk.k1, layout.kv_heads) for x in kv]
+    rows = [_rows(x, layout, blk.k0, blk.k1, heads) for x in kv]
     if plan.compute_dtype != plan.dtype:
         rows = [x.to(plan.compute_dtype) for x in rows]
     return rows
@@ -180,9 +206,36 @@ def _acc(total, x):
 # ---- forward -------------------------------------------------------------------------------
 
 
+def _chunks(plan: SitePlan, branch: BranchPlan) -> list[tuple[slice, slice]]:
+    """Query-head and kv-head slices of each head chunk of a ring branch (dilated layout: query
+    head ``j`` reads kv head ``j // (hq / kv_heads)``, so contiguous slices pair up)."""
+    g = plan.head_chunks(branch)
+    qc, kc = plan.hq // g, branch.layout.kv_heads // g
+    return [(slice(c * qc, (c + 1) * qc), slice(c * kc, (c + 1) * kc)) for c in range(g)]
+
+
+def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+
+
 def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
-    """Out and lse of one ring branch, dilated; K/V travel while each step computes."""
+    """Out and lse of one ring branch, dilated, one head chunk after another."""
+    outs, lses = [], []
+    for c, (qh, kh) in enumerate(_chunks(plan, branch)):
+        heads = (qh.stop - qh.start, kh.stop - kh.start)
+        out, lse, token = _ring_forward_chunk(
+            plan, i, c, branch, heads, qd[:, qh], kd[:, kh], vd[:, kh],
+            None if bias is None else bias[:, qh], token,
+        )  # fmt: skip
+        outs.append(out)
+        lses.append(lse)
+    return _cat_heads(outs), _cat_heads(lses), token
+
+
+def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
+    """Out and lse of one head chunk of a ring branch; K/V travel while each step computes."""
     layout = branch.layout
+    hq, hkv = heads
     kv = [kd, vd]
     acc_out: list = [None] * layout.nseg
     acc_lse: list = [None] * layout.nseg
@@ -190,13 +243,13 @@ def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
         if step + 1 < len(branch.ring):
             # NOTE: the next transfer is issued before this step's compute.
             with role("p2p", branch=i, step=step):
-                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV, step))
+                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV, step, c))
         for blk in blocks:
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
-                    _rows(qd, layout, blk.q0, blk.q1, plan.hq),
-                    *_kv_rows(plan, layout, kv, blk),
-                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, plan.hq),
+                    _rows(qd, layout, blk.q0, blk.q1, hq),
+                    *_kv_rows(plan, layout, kv, blk, hkv),
+                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, hq),
                     plan.scale,
                     blk.causal,
                 )
@@ -261,8 +314,24 @@ def site_forward(plan: SitePlan, q, k, v, mask=None):
 
 
 def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
-    """dq and, back at their owner, dk and dv of one ring branch (all dilated, float32)."""
+    """dq and, back at their owner, dk and dv of one ring branch (all dilated, float32), one
+    head chunk after another."""
+    grads: list[list] = [[], [], []]
+    for c, (qh, kh) in enumerate(_chunks(plan, branch)):
+        heads = (qh.stop - qh.start, kh.stop - kh.start)
+        *got, token = _ring_backward_chunk(
+            plan, i, c, branch, heads, dod[:, qh], qd[:, qh], kd[:, kh], vd[:, kh], od[:, qh],
+            lsed[:, qh], None if bias is None else bias[:, qh], token,
+        )  # fmt: skip
+        for acc, g in zip(grads, got):
+            acc.append(g)
+    return (*(_cat_heads(g) for g in grads), token)
+
+
+def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, token):
+    """dq, dk and dv of one head chunk of a ring branch."""
     layout = branch.layout
+    hq, hkv = heads
     kv = [kd, vd]
     dkv = None
     dq_parts: list = [None] * layout.nseg
@@ -270,18 +339,18 @@ def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
     for step, blocks in enumerate(branch.steps):
         if step < last:
             with role("p2p", branch=i, step=step):
-                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV_BACK, step))
+                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV_BACK, step, c))
         dk_parts: list = [None] * layout.nseg
         dv_parts: list = [None] * layout.nseg
         for blk in blocks:
             with role("attention_backward", branch=i, step=step):
                 dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
-                    _rows(dod, layout, blk.q0, blk.q1, plan.hq),
-                    _rows(qd, layout, blk.q0, blk.q1, plan.hq),
-                    *_kv_rows(plan, layout, kv, blk),
-                    _rows(od, layout, blk.q0, blk.q1, plan.hq),
-                    _rows(lsed.unsqueeze(-1), layout, blk.q0, blk.q1, plan.hq).squeeze(-1),
-                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, plan.hq),
+                    _rows(dod, layout, blk.q0, blk.q1, hq),
+                    _rows(qd, layout, blk.q0, blk.q1, hq),
+                    *_kv_rows(plan, layout, kv, blk, hkv),
+                    _rows(od, layout, blk.q0, blk.q1, hq),
+                    _rows(lsed.unsqueeze(-1), layout, blk.q0, blk.q1, hq).squeeze(-1),
+                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, hq),
                     plan.scale,
                     blk.causal,
                 )
@@ -296,24 +365,24 @@ def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
         if blocks:
             with role("merge", branch=i, step=step):
                 here = [
-                    _join_parts([_or_zeros(p, layout, channels, kd) for p in parts], layout)
+                    _join_parts([_or_zeros(p, layout, hkv, channels, kd) for p in parts], layout)
                     for parts, channels in ((dk_parts, plan.d), (dv_parts, plan.dv))
                 ]
                 # The accumulators that arrived last step belong to the K/V held now.
                 dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
         # NOTE: dK/dV travel one step behind K/V and make one more hop: home.
         with role("p2p", branch=i, step=step):
-            dkv, token = _send_recv(plan, branch, dkv, token, plan.tag(i, _DKV, step))
+            dkv, token = _send_recv(plan, branch, dkv, token, plan.tag(i, _DKV, step, c))
         if step < last:
             kv = incoming
     return _join_parts(dq_parts, layout), dkv[0], dkv[1], token
 
 
-def _or_zeros(part, layout, channels: int, like: torch.Tensor):
+def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
     """A part's float32 gradient, or zeros where no block of this step touched it."""
     if part is not None:
         return part
-    shape = (layout.batch, layout.kv_heads, layout.m, channels)
+    shape = (layout.batch, heads, layout.m, channels)
     return like.new_zeros(shape, dtype=torch.float32)
 
 

@@ -87,7 +87,8 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
         q_rows = plan.batch * plan.hq * layout.padded // layout.r
         kv = plan.batch * layout.kv_heads * layout.padded // layout.r * (plan.d + plan.dv)
         copies = q_rows * (2 * plan.d + plan.dv) * compute + kv * item if layout.r > 1 else 0
-        in_flight = 0 if branch.is_local else kv * item + 2 * kv * 4
+        # One head chunk's ring buffers at a time (Note [Head chunks]).
+        in_flight = 0 if branch.is_local else (kv * item + 2 * kv * 4) // plan.head_chunks(branch)
         branch_peak = max(branch_peak, copies + in_flight)
     return {"saved": saved, "peak": saved + grads + branch_peak}
 

@@ -54,11 +54,19 @@ def _case(rank, world, case):
     (record,) = backend.records
     planned = bytes_sent(record.plan)
     assert (forward_bytes, sent["bytes_sent"]) == (planned["forward"], planned["backward"])
+    return record.plan
 
 
-def _cases(rank, world, cases):
+def _cases(rank, world, cases, chunk_bytes=None):
+    if chunk_bytes is not None:
+        from ring_rewrite import attention
+
+        attention.RING_CHUNK_BYTES = chunk_bytes  # this rank's process only
     for case in cases:
-        _case(rank, world, case)
+        plan = _case(rank, world, case)
+        if chunk_bytes == 1:
+            rings = [b for b in plan.branches if not b.is_local]
+            assert rings and all(plan.head_chunks(b) == b.layout.kv_heads > 1 for b in rings), case
 
 
 # (segment_lengths, dilation_rates, causal, sharding, layout, Hq, Hkv, N)
@@ -81,6 +89,12 @@ CASES_P4 = [
 @pytest.mark.parametrize("world, cases", [(2, CASES_P2), (4, CASES_P4)], ids=["P2", "P4"])
 def test_ring_matches_reference(world, cases):
     run_ranks(world, _cases, cases)
+
+
+@pytest.mark.parametrize("world, cases", [(2, CASES_P2[1:]), (4, CASES_P4[::2])], ids=["P2", "P4"])
+def test_ring_in_head_chunks_matches_reference(world, cases):
+    # Every ring branch in as many head chunks as its dilated kv heads allow (Note [Head chunks]).
+    run_ranks(world, _cases, cases, 1)
 
 
 def _disagree(rank, world, what):

@@ -306,8 +306,8 @@ def test_same_p2p_schedule_fails_when_one_rank_tags_differently(monkeypatch):
     # Break the ring on purpose: rank 2 sends its second step's messages under another tag.
     tag = SitePlan.tag
 
-    def rank_dependent(self, branch, direction, step):
-        return tag(self, branch, direction, step) + (self.rank == 2 and step == 1)
+    def rank_dependent(self, branch, direction, step, chunk=0):
+        return tag(self, branch, direction, step, chunk) + (self.rank == 2 and step == 1)
 
     monkeypatch.setattr(SitePlan, "tag", rank_dependent)
     with pytest.raises(AssertionError) as info:
