@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test setup clean
+.PHONY: demo test bench setup clean
 
 # The training demo on RANKS CPU processes (gloo), one thread each; ARGS go to the script
 # (make demo RANKS=8 ARGS="--seq 65536 --steps 200"; see examples/train_longnet.py --help).
@@ -15,6 +15,10 @@ demo: .venv/.done
 
 test: .venv/.done
 	$(PY) -m pytest -q
+
+# Every benchmark, then each target met / not met (benchmarks/README.md); ARGS="--quick" for a smoke run.
+bench: .venv/.done
+	$(PY) benchmarks/run_all.py $(ARGS)
 
 setup: .venv/.done
 

@@ -154,7 +154,7 @@ def run_ranks(fn: Callable[[int, int, Any], dict], world: int, args: Any) -> lis
 # ---- the record ------------------------------------------------------------------------------
 
 
-def machine(threads: int) -> dict[str, Any]:
+def machine(threads: int | None = None) -> dict[str, Any]:
     """Where and on what the numbers were taken (read before the run: the commit measured)."""
 
     def git(*cmd: str) -> subprocess.CompletedProcess | None:

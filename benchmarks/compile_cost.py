@@ -1,0 +1,395 @@
+"""Compile cost of the rewrite: dynamo + inductor time of an L-layer transformer, with and without.
+
+The model is a pre-norm causal transformer of L layers (LayerNorm, attention through
+``F.scaled_dot_product_attention(..., is_causal=True)``, LayerNorm, GELU MLP), input
+``(1, N/P, dim)`` float32. Each measurement compiles it cold, in a process of its own, three ways:
+
+* ``inductor``: ``torch.compile(model, backend="inductor")``, no rewrite. At P = 4 this is the same
+  local compute (plain SDPA over the rank's N/4 rows), so the ratio compares at the same P.
+* ``longnet``: ``torch.compile(model, backend="ring_dilated", options={...})`` with segments
+  ``[N/4, N/2, N]`` and rates ``[1, 2, 4]``, ``compiler="inductor"``.
+* ``exact``: the same backend with its default config (one branch ``(N, 1)``: exact attention).
+
+At P = 1 the rewrite runs replicated; at P > 1 the process joins a fake process group as rank
+P - 1 (the last rank of the causal ring, which computes every block) and runs sharded, so the
+graph compiled is the one a real rank would compile, without the other ranks.
+
+Compile time: the wall time of the first training step (forward, ``loss.sum().backward()``), which
+traces, compiles and runs forward and backward, minus the median of three warm steps. Every
+measurement is a fresh Python process with an empty ``TORCHINDUCTOR_CACHE_DIR`` and the FX-graph
+and AOT-autograd caches off, so nothing compiled before can be reused. The same difference in CPU
+seconds (the process and its finished children, the C++ compiler) is recorded too: it is less
+sensitive to other load on a shared machine. The target is on the wall time.
+
+Where the time goes, from dynamo's timers (``torch._dynamo.utils.compile_times``): dynamo's
+bytecode tracing; the backend before inductor's forward compile (the ring_dilated passes, AOT
+autograd's joint trace and its forward/backward partition); inductor's Python side (lowering,
+scheduling, code generation) of the forward and backward graphs; the C++ compiler. Also counted:
+the C++ modules built (``.so`` files in the cache; inductor builds each distinct kernel once) and
+inductor's extern calls (ops left as calls: matmuls, SDPA, the ring's custom ops).
+
+Threads: one intra-op thread (``torch.set_num_threads(1)``) and one inductor compile worker
+(``TORCHINDUCTOR_COMPILE_THREADS=1``: kernels are compiled in-process one after another), so the
+numbers compare across runs. Inductor compiles its C++ kernels with the system compiler; that
+time is part of the number, and a roughly constant part (about 16 s here) whatever the depth.
+
+    python benchmarks/compile_cost.py                        # L = 4, 8, 12; P = 1, 4; N = 1024
+    python benchmarks/compile_cost.py --quick                # smoke test: L = 2, N = 256
+    python benchmarks/compile_cost.py --configs longnet --layers 4 --ranks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, ROOT, machine, pyplot, save_plot, verdict, write_json  # noqa: E402
+
+TARGET = 2.0  # compile time with the rewrite <= 2x without
+THREADS = 1
+WARM_STEPS = 3
+BASELINE = "inductor"
+# Dynamo's phase timers (torch._dynamo.utils.compile_times), nested in this order: dynamo's
+# compile of a frame > the backend > AOT autograd > inductor's forward compile > C++ compiles.
+# The backward's inductor compile runs at the first backward, outside the backend.
+TIMERS = {
+    "frame": "_compile.compile_inner",
+    "backend": "OutputGraph.call_user_compiler",
+    "fw_compile": "compile_fx.<locals>.fw_compiler_base",
+    "inductor": "compile_fx_inner",
+    "cpp": "compile_file",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One cold compile: what model, how many ranks, which backend."""
+
+    layers: int
+    world: int
+    config: str  # "inductor" (no rewrite), "longnet" or "exact"
+    seq: int
+    dim: int
+    heads: int
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer with causal SDPA and a 4x GELU MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, dim // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, n, head_dim)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, dim))
+        return x + self.mlp(self.norm2(x))
+
+
+def transformer(layers: int, dim: int, heads: int) -> nn.Module:
+    return nn.Sequential(*(Block(dim, heads) for _ in range(layers)), nn.LayerNorm(dim))
+
+
+# ---- one measurement, in its own process -----------------------------------------------------
+
+
+def _options(case: Case) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "compiler": "inductor",
+        "sharding": "sharded" if case.world > 1 else "replicated",
+    }
+    if case.config == "longnet":
+        n = case.seq
+        options.update(segment_lengths=[n // 4, n // 2, n], dilation_rates=[1, 2, 4])
+    return options
+
+
+def _compiled(case: Case, model: nn.Module) -> nn.Module:
+    if case.config == BASELINE:
+        return torch.compile(model, backend="inductor")
+    import ring_rewrite  # noqa: F401  registers "ring_dilated"
+
+    return torch.compile(model, backend="ring_dilated", options=_options(case))
+
+
+def _timers() -> dict[str, float]:
+    """Seconds in each of dynamo's timers named in ``TIMERS``, summed over their calls."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    totals = dict(zip(names, (float(v) for v in values)))
+    return {name: totals.get(key, 0.0) for name, key in TIMERS.items()}
+
+
+def _counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "sites_rewritten": counters["ring_rewrite"]["rewritten"],
+        "extern_calls": counters["inductor"]["extern_calls"],
+    }
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its finished children (the C++ compiler)."""
+    return sum(os.times()[:4])
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and CPU seconds of ``fn()``."""
+    wall, cpu = time.perf_counter(), _cpu()
+    fn()
+    return time.perf_counter() - wall, _cpu() - cpu
+
+
+def measure(case: Case) -> dict[str, Any]:
+    """Compile ``case`` cold and time it (call in a fresh process: see ``_run``)."""
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    model = transformer(case.layers, case.dim, case.heads)
+    x = torch.randn(1, case.seq // case.world, case.dim)
+    compiled = _compiled(case, model)
+
+    def step() -> None:
+        compiled(x).sum().backward()
+
+    first_wall, first_cpu = _timed(step)
+    warm = [_timed(step) for _ in range(WARM_STEPS)]
+    warm_wall, warm_cpu = (statistics.median(t) for t in zip(*warm))
+    return {
+        **dataclasses.asdict(case),
+        "compile_s": first_wall - warm_wall,
+        "compile_cpu_s": first_cpu - warm_cpu,
+        "first_step_s": first_wall,
+        "warm_step_s": warm_wall,
+        "timers_s": _timers(),
+        **_counters(),
+    }
+
+
+def _measure_in_group(case: Case) -> dict[str, Any]:
+    if case.world == 1:
+        return measure(case)
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=case.world - 1, world_size=case.world)
+    try:
+        return measure(case)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(case: Case) -> dict[str, Any]:
+    """``measure(case)`` in a fresh interpreter with empty, disabled inductor caches."""
+    with tempfile.TemporaryDirectory(prefix="compile_cost_") as cache:
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+            "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        args = [sys.executable, __file__, "--measure", json.dumps(dataclasses.asdict(case))]
+        done = subprocess.run(args, env=env, capture_output=True, text=True)
+        cpp_modules = len(list(Path(cache).rglob("*.so")))
+    if done.returncode:
+        raise RuntimeError(f"measuring {case} failed:\n{done.stderr[-4000:]}")
+    return {**json.loads(done.stdout.splitlines()[-1]), "cpp_modules": cpp_modules}
+
+
+# ---- driving, in the parent ------------------------------------------------------------------
+
+
+def _cases(opts: argparse.Namespace) -> list[Case]:
+    return [
+        Case(layers=layers, world=world, config=config, seq=opts.seq, dim=opts.dim, heads=opts.heads)
+        for world in opts.ranks
+        for layers in opts.layers
+        for config in (BASELINE, *opts.configs)
+    ]
+
+
+def _rows(runs: list[dict[str, Any]], configs: list[str]) -> list[dict[str, Any]]:
+    """One row per (layers, P): compile seconds of each config and its ratio to no rewrite."""
+    by_key = {(r["layers"], r["world"], r["config"]): r for r in runs}
+    rows = []
+    for layers, world in dict.fromkeys((r["layers"], r["world"]) for r in runs):
+        base = by_key[layers, world, BASELINE]
+        row: dict[str, Any] = {"layers": layers, "P": world, "N/P": base["seq"] // world}
+        row["inductor s"] = base["compile_s"]
+        for config in configs:
+            run = by_key[layers, world, config]
+            row[f"{config} s"] = run["compile_s"]
+            row[f"{config} ratio"] = run["compile_s"] / base["compile_s"]
+            row[f"{config} cpu ratio"] = run["compile_cpu_s"] / base["compile_cpu_s"]
+        rows.append(row)
+    return rows
+
+
+def _phase_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's compile time split by dynamo's timers (see ``TIMERS``)."""
+    rows = []
+    for r in runs:
+        t = r["timers_s"]
+        rows.append({
+            "layers": r["layers"], "P": r["world"], "config": r["config"], "compile s": r["compile_s"],
+            "cpu s": r["compile_cpu_s"],
+            "dynamo trace s": t["frame"] - t["backend"],
+            "passes + AOT s": t["backend"] - t["fw_compile"],
+            "inductor s": t["inductor"] - t["cpp"],
+            "C++ build s": t["cpp"],
+            "C++ modules": r["cpp_modules"], "extern calls": r["extern_calls"], "graphs": r["graphs"],
+        })  # fmt: skip
+    return rows
+
+
+def _plot(runs: list[dict[str, Any]], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    worlds = list(dict.fromkeys(r["world"] for r in runs))
+    configs = list(dict.fromkeys(r["config"] for r in runs))
+    for world, style in zip(worlds, ["-", "--", ":", "-."]):
+        for config, color in zip(configs, ["C0", "C1", "C2"]):
+            line = sorted(
+                (r["layers"], r["compile_s"]) for r in runs if (r["world"], r["config"]) == (world, config)
+            )
+            label = f"{config if config != BASELINE else 'no rewrite'}, P={world}"
+            ax.plot(*zip(*line), style, color=color, marker="o", label=label)
+    ax.set_xlabel("layers")
+    ax.set_ylabel("compile time, forward + backward (s)")
+    ax.set_title("dynamo + inductor compile time, cold, 1 thread")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_plot(fig, path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 12])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="values of P")
+    parser.add_argument("--seq", type=int, default=1024, help="global sequence length N")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument(
+        "--configs", nargs="+", choices=["longnet", "exact"], default=["longnet", "exact"],
+        help="rewrite configs compared with no rewrite",
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2 layers, N = 256")
+    parser.add_argument("--out", type=Path, default=RESULTS / "compile_cost.json")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one Case as JSON
+    return parser
+
+
+def _target(rows: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
+    """The worst with/without ratio over every row and config, in wall and in CPU time."""
+    worst, worst_cpu = (
+        max(row[f"{config} {ratio}"] for row in rows for config in configs)
+        for ratio in ("ratio", "cpu ratio")
+    )
+    line = f"compile time with the rewrite <= {TARGET:g}x without"
+    return {"line": line, "worst_ratio": worst, "worst_cpu_ratio": worst_cpu, "met": worst <= TARGET}
+
+
+def _print(runs: list[dict[str, Any]], rows: list[dict[str, Any]], target: dict[str, Any]) -> None:
+    print()
+    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+    print(
+        "\ncompile s = first forward+backward step minus a warm step (wall); cpu ratio = the same "
+        "in CPU seconds\nof the process and its C++ compiler children, less sensitive to other "
+        "load on the machine"
+    )
+    print(
+        "\nwhere the time goes (dynamo's timers; inductor = Python side of the forward and backward "
+        "compiles, C++ build = the C++ compiler)"
+    )
+    print(tabulate(_phase_rows(runs), headers="keys", floatfmt=".3g"))
+    print(
+        f"\ntarget: {target['line']}: worst {target['worst_ratio']:.2f}x "
+        f"(CPU time: {target['worst_cpu_ratio']:.2f}x) -> {verdict(target['met'])}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    opts = parser.parse_args(argv)
+    if opts.measure:
+        print(json.dumps(_measure_in_group(Case(**json.loads(opts.measure)))))
+        return 0
+    if opts.quick:
+        opts.layers, opts.seq = [2], 256
+    for world in opts.ranks:
+        if opts.seq % (4 * world):
+            parser.error(f"N = {opts.seq} must be a multiple of 4P = {4 * world} (segments N/4, N/P rows)")
+
+    print(
+        f"{opts.layers} layers, dim {opts.dim}, {opts.heads} heads, N = {opts.seq}, P = {opts.ranks}; "
+        f"each compile cold in its own process; {THREADS} thread, 1 inductor compile worker, "
+        f"{os.cpu_count()} cores (shared)\n",
+        flush=True,
+    )
+    record_machine = machine(threads=THREADS)  # before the run: the commit measured
+    runs = []
+    for case in _cases(opts):
+        t0 = time.perf_counter()
+        runs.append(_run(case))
+        print(
+            f"  L={case.layers} P={case.world} {case.config}: compile {runs[-1]['compile_s']:.1f} s "
+            f"({time.perf_counter() - t0:.0f} s with startup)",
+            flush=True,
+        )
+    rows = _rows(runs, opts.configs)
+    target = _target(rows, opts.configs)
+    _print(runs, rows, target)
+
+    write_json(opts.out, {
+        "benchmark": "compile_cost",
+        "machine": record_machine,
+        "setup": {
+            "layers": opts.layers, "ranks": opts.ranks, "seq": opts.seq, "dim": opts.dim,
+            "heads": opts.heads, "configs": opts.configs, "dtype": "float32", "causal": True,
+            "inductor_compile_threads": 1, "warm_steps": WARM_STEPS,
+            "compile_s": "first forward+backward step minus the median warm step, fresh process, "
+                         "empty TORCHINDUCTOR_CACHE_DIR, FX graph and AOT autograd caches off",
+            "P>1": "fake process group, rank P-1, sharded",
+        },
+        "target": target,
+        "rows": rows,
+        "runs": runs,
+    })  # fmt: skip
+    _plot(runs, opts.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
