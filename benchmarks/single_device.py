@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.quick:
         opts.seq, opts.repeats = [4096, 8192], 2
     torch.set_num_threads(opts.threads)
+    # One graph per N and config (the rewrite specialises on the sequence length).
+    torch._dynamo.config.recompile_limit = max(8, 2 * len(opts.seq) + 2)
     memory = _common.can_measure_memory() and _common.malloc_setup()
     causal = opts.causal
     machine = _common.machine(opts.threads)

@@ -184,11 +184,16 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block, heads: 
     return rows
 
 
-def _send_recv(plan: SitePlan, branch: BranchPlan, xs: list[torch.Tensor], token, tag: int):
-    """Send ``xs`` one step along the branch's ring: ``(received, next token)``."""
-    got = torch.ops.ring_rewrite.ring_send_recv(
+def _shift_start(plan: SitePlan, branch: BranchPlan, xs: list[torch.Tensor], token, tag: int):
+    """Start sending ``xs`` one step along the branch's ring: the next token."""
+    return torch.ops.ring_rewrite.ring_shift_start(
         xs, token, plan.group_name, branch.send_to, branch.recv_from, tag
     )
+
+
+def _shift_wait(xs: list[torch.Tensor], token, tag: int):
+    """Finish the transfer of ``xs`` started under ``tag``: ``(received, next token)``."""
+    got = torch.ops.ring_rewrite.ring_shift_wait(xs, token, tag)
     return [got[j] for j in range(len(xs))], got[len(xs)]
 
 
@@ -240,10 +245,11 @@ def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
     acc_out: list = [None] * layout.nseg
     acc_lse: list = [None] * layout.nseg
     for step, blocks in enumerate(branch.steps):
-        if step + 1 < len(branch.ring):
-            # NOTE: the next transfer is issued before this step's compute.
+        moves = step + 1 < len(branch.ring)
+        if moves:
+            # NOTE: the next K/V start moving before this step's compute and arrive after it.
             with role("p2p", branch=i, step=step):
-                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV, step, c))
+                token = _shift_start(plan, branch, kv, token, plan.tag(i, _KV, step, c))
         for blk in blocks:
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
@@ -263,8 +269,9 @@ def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
                         acc_out[part], acc_lse[part] = merge_partials(
                             [acc_out[part], o], [acc_lse[part], l]
                         )
-        if step + 1 < len(branch.ring):
-            kv = incoming
+        if moves:
+            with role("p2p", branch=i, step=step):
+                kv, token = _shift_wait(kv, token, plan.tag(i, _KV, step, c))
     out = _join_parts(acc_out, layout)
     lse = _join_parts(acc_lse, layout)
     return out, lse, token
@@ -333,13 +340,13 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
     layout = branch.layout
     hq, hkv = heads
     kv = [kd, vd]
-    dkv = None
+    dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
     dq_parts: list = [None] * layout.nseg
     last = len(branch.ring) - 1
     for step, blocks in enumerate(branch.steps):
         if step < last:
             with role("p2p", branch=i, step=step):
-                incoming, token = _send_recv(plan, branch, kv, token, plan.tag(i, _KV_BACK, step, c))
+                token = _shift_start(plan, branch, kv, token, plan.tag(i, _KV_BACK, step, c))
         dk_parts: list = [None] * layout.nseg
         dv_parts: list = [None] * layout.nseg
         for blk in blocks:
@@ -362,19 +369,26 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                 ):
                     for part, piece in zip(range(p0, p1), _split_rows(x, layout, p0, p1)):
                         parts[part] = _acc(parts[part], piece.float())
+        if step > 0:
+            # The accumulators sent last step (they moved during this step's compute) belong to
+            # the K/V held now.
+            with role("p2p", branch=i, step=step):
+                dkv, token = _shift_wait(dkv, token, plan.tag(i, _DKV, step - 1, c))
         if blocks:
             with role("merge", branch=i, step=step):
                 here = [
                     _join_parts([_or_zeros(p, layout, hkv, channels, kd) for p in parts], layout)
                     for parts, channels in ((dk_parts, plan.d), (dv_parts, plan.dv))
                 ]
-                # The accumulators that arrived last step belong to the K/V held now.
                 dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
         # NOTE: dK/dV travel one step behind K/V and make one more hop: home.
         with role("p2p", branch=i, step=step):
-            dkv, token = _send_recv(plan, branch, dkv, token, plan.tag(i, _DKV, step, c))
+            token = _shift_start(plan, branch, dkv, token, plan.tag(i, _DKV, step, c))
         if step < last:
-            kv = incoming
+            with role("p2p", branch=i, step=step):
+                kv, token = _shift_wait(kv, token, plan.tag(i, _KV_BACK, step, c))
+    with role("p2p", branch=i, step=last):
+        dkv, token = _shift_wait(dkv, token, plan.tag(i, _DKV, last, c))
     return _join_parts(dq_parts, layout), dkv[0], dkv[1], token
 
 

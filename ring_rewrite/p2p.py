@@ -8,7 +8,9 @@ ranks, and equal-shaped messages then pair up wrong without an error. So every o
 
 * is registered with an ORDERED effect (never eliminated, never duplicated),
 * takes the previous transfer's ``token`` and returns the next one: all transfers of a graph form
-  one data-dependency chain, so every rank runs them in the same order,
+  one data-dependency chain, so every rank runs them in the same order (a ring step is two ops,
+  ``ring_shift_start`` before the compute it overlaps and ``ring_shift_wait`` after it, both in
+  the chain),
 * sends each message under its own tag (site, branch, direction, step): a schedule that still
   went wrong would fail loudly (a timeout naming the op) instead of pairing the wrong buffers.
 """
@@ -20,7 +22,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch._library.effects import EffectType
 
-__all__ = ["ring_send_recv", "all_gather_seq", "new_token", "resolve_group", "check_agreement"]
+__all__ = ["ring_shift_start", "ring_shift_wait", "all_gather_seq", "new_token", "resolve_group", "check_agreement"]
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -34,58 +36,66 @@ def new_token(like: torch.Tensor) -> torch.Tensor:
     return like.new_zeros((1,), dtype=torch.float32)
 
 
-@torch.library.custom_op("ring_rewrite::ring_send_recv", mutates_args=())
-def ring_send_recv(
+# Transfers started and not yet waited for, by tag: (works, received, sent). Holding ``sent``
+# keeps the send buffers alive until the transfer is done.
+_PENDING: dict[int, tuple[list, list[torch.Tensor], list[torch.Tensor]]] = {}
+
+
+@torch.library.custom_op("ring_rewrite::ring_shift_start", mutates_args=())
+def ring_shift_start(
     xs: list[torch.Tensor],
     token: torch.Tensor,
     group_name: str,
     send_to: int,
     recv_from: int,
     tag: int,
-) -> list[torch.Tensor]:
-    """Send ``xs`` to global rank ``send_to``, receive tensors like them from ``recv_from``.
+) -> torch.Tensor:
+    """Start sending ``xs`` to global rank ``send_to`` and receiving tensors like them from
+    ``recv_from``; returns the next token at once. ``ring_shift_wait`` under the same ``tag``
+    returns what arrived: the compute between the two overlaps the transfer.
 
-    Returns the received tensors followed by the next token. Message ``i`` goes under tag
-    ``4 * tag + i`` (so at most 4 tensors per call).
+    Message ``i`` goes under tag ``4 * tag + i`` (so at most 4 tensors per call).
     """
-    assert len(xs) <= 4, "ring_send_recv sends at most 4 tensors per call"
+    assert len(xs) <= 4, "ring_shift_start sends at most 4 tensors per call"
+    if tag in _PENDING:
+        raise RuntimeError(f"ring_rewrite: transfer {tag} started twice without a wait")
     group = _group(group_name)
     xs = [x.contiguous() for x in xs]
     received = [torch.empty_like(x) for x in xs]
     ops = [dist.P2POp(dist.isend, x, send_to, group, 4 * tag + i) for i, x in enumerate(xs)]
     ops += [dist.P2POp(dist.irecv, r, recv_from, group, 4 * tag + i) for i, r in enumerate(received)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    _PENDING[tag] = (dist.batch_isend_irecv(ops), received, xs)
     counters["ring_rewrite"]["bytes_sent"] += sum(x.numel() * x.element_size() for x in xs)
+    return token + 1
+
+
+@ring_shift_start.register_fake
+def _(xs, token, group_name, send_to, recv_from, tag):
+    return token.new_empty(token.shape)
+
+
+@torch.library.custom_op("ring_rewrite::ring_shift_wait", mutates_args=())
+def ring_shift_wait(xs: list[torch.Tensor], token: torch.Tensor, tag: int) -> list[torch.Tensor]:
+    """Finish the transfer ``ring_shift_start`` began under ``tag``: the received tensors, then
+    the next token. ``xs`` are the tensors it sent (their shapes for the fake kernel; taking them
+    keeps them alive in the graph until the transfer is done)."""
+    if tag not in _PENDING:
+        raise RuntimeError(
+            f"ring_rewrite: no transfer {tag} is pending (waited before its start, or twice)"
+        )
+    works, received, _ = _PENDING.pop(tag)
+    for work in works:
+        work.wait()
     return [*received, token + 1]
 
 
-@ring_send_recv.register_fake
-def _(xs, token, group_name, send_to, recv_from, tag):
+@ring_shift_wait.register_fake
+def _(xs, token, tag):
     return [*(x.new_empty(x.shape) for x in xs), token.new_empty(token.shape)]
 
 
-# Tags of the shift back (autograd) stay clear of the forward's: steps are < _BACKWARD_TAG.
-_BACKWARD_TAG = 512
-
-
-def _send_recv_backward(ctx, grads):
-    # The adjoint of a shift is the shift back.
-    grads = [g if g is not None else torch.zeros(s, dtype=d) for g, (s, d) in zip(grads, ctx.specs)]
-    back = ring_send_recv(
-        grads, ctx.token, ctx.group_name, ctx.recv_from, ctx.send_to, ctx.tag + _BACKWARD_TAG
-    )
-    return back[:-1], None, None, None, None, None
-
-
-def _send_recv_setup(ctx, inputs, output):
-    xs, token, ctx.group_name, ctx.send_to, ctx.recv_from, ctx.tag = inputs
-    ctx.specs = [(x.shape, x.dtype) for x in xs]
-    ctx.token = output[-1].detach()
-
-
-ring_send_recv.register_autograd(_send_recv_backward, setup_context=_send_recv_setup)
-ring_send_recv.register_effect(EffectType.ORDERED)
+ring_shift_start.register_effect(EffectType.ORDERED)
+ring_shift_wait.register_effect(EffectType.ORDERED)
 
 
 @torch.library.custom_op("ring_rewrite::all_gather_seq", mutates_args=())

@@ -83,7 +83,8 @@ _SDPA = ("scaled_dot_product_attention",)
 _LEFT_ALONE = (*_SDPA, "multi_head_attention_forward", "_transformer_encoder_layer_fwd")
 _ATTENTION = "ring_rewrite.block_attention"
 _ATTENTION_BWD = "ring_rewrite.block_attention_backward"
-_P2P = {"ring_rewrite.ring_send_recv": "send_recv", "ring_rewrite.all_gather_seq": "all_gather"}
+# A ring step's transfer is counted at its start (``ring_shift_wait`` only finishes it).
+_P2P = {"ring_rewrite.ring_shift_start": "send_recv", "ring_rewrite.all_gather_seq": "all_gather"}
 
 
 # ---- capture ---------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ def op_label(node: fx.Node) -> str:
     """A short, version-stable name for what ``node`` computes.
 
     ``scaled_dot_product_attention``, ``ring_rewrite.block_attention``, ``aten.mm``,
-    ``Tensor.view`` (a method), ``getitem``, ``get_attr``, ``with_effects(ring_rewrite.ring_send_recv)``.
+    ``Tensor.view`` (a method), ``getitem``, ``get_attr``, ``with_effects(ring_rewrite.ring_shift_start)``.
     """
     if node.op in ("placeholder", "output", "get_attr", "call_module"):
         return node.op
@@ -622,7 +623,8 @@ class Transfer:
     graph: str
     """``"forward"`` or ``"backward"``."""
     kind: str
-    """``"send_recv"`` (``ring_rewrite::ring_send_recv``) or ``"all_gather"`` (``all_gather_seq``)."""
+    """``"send_recv"`` (a ring shift, ``ring_rewrite::ring_shift_start``) or ``"all_gather"``
+    (``all_gather_seq``)."""
     tag: int
     shapes: tuple[tuple[int, ...], ...] | None
     """Shapes of the tensors sent (AOT graphs; None in dynamo subgraphs, which carry no values)."""

@@ -155,19 +155,23 @@ def test_replicated_mode_refuses_different_sequences_per_rank():
     run_ranks(2, _different_data)
 
 
-def _send_recv_autograd(rank, world):
+def _shift(rank, world):
     from ring_rewrite import p2p  # noqa: F401  (registers the ops)
 
+    ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
-    x = torch.full((4,), float(rank + 1), requires_grad=True)
     nxt, prv = (rank + 1) % world, (rank - 1) % world
-    y, token = torch.ops.ring_rewrite.ring_send_recv([x], torch.zeros(1), group, nxt, prv, 11)
-    assert y.tolist() == [float(prv + 1)] * 4 and token.item() == 1
-    weight = 10.0 * (rank + 1)
-    (y * weight).sum().backward()
-    # x went to the next rank, which scaled it by its weight: that is x's gradient.
-    assert x.grad.tolist() == [10.0 * (nxt + 1)] * 4
+    x, w = torch.full((4,), float(rank + 1)), torch.full((2, 3), -float(rank))
+    # Two transfers in flight at once, finished in the other order (the backward's dK/dV do so).
+    token = ops.ring_shift_start([x], torch.zeros(1), group, nxt, prv, 11)
+    token = ops.ring_shift_start([x, w], token, group, prv, nxt, 12)
+    (b, c), token = (lambda got: (got[:2], got[2]))(ops.ring_shift_wait([x, w], token, 12))
+    (a,), token = (lambda got: (got[:1], got[1]))(ops.ring_shift_wait([x], token, 11))
+    assert a.tolist() == [float(prv + 1)] * 4 and b.tolist() == [float(nxt + 1)] * 4
+    assert c.tolist() == [[-float(nxt)] * 3] * 2 and token.item() == 4
+    with pytest.raises(RuntimeError, match="no transfer 11 is pending"):
+        ops.ring_shift_wait([x], token, 11)
 
 
-def test_send_recv_autograd_is_the_shift_back():
-    run_ranks(4, _send_recv_autograd)
+def test_shift_start_and_wait_pair_by_tag():
+    run_ranks(3, _shift)

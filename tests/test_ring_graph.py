@@ -82,15 +82,25 @@ def test_only_dilated_rows_travel(per_rank):
         assert t.shapes == ((*rows, plan.d), (*rows, plan.dv))
 
 
-def test_each_transfer_is_issued_before_the_compute_it_overlaps(per_rank):
+def test_each_transfer_starts_before_the_compute_it_overlaps_and_ends_after(per_rank):
+    start, wait = torch.ops.ring_rewrite.ring_shift_start, torch.ops.ring_rewrite.ring_shift_wait
     for c in per_rank:
         (gm,) = c.after
         fwd = gm.ring_rewrite_fwd_0
-        order = {}
+        first, last = {}, {}  # (branch, step, what) -> node index
         for index, node in enumerate(fwd.graph.nodes):
             tag = node.meta.get("ring_rewrite", {})
-            if tag.get("step") is not None:
-                order.setdefault((tag["branch"], tag["step"], tag["role"]), index)
-        for (branch, step, role), index in order.items():
-            if role == "attention" and (branch, step, "p2p") in order:
-                assert order[(branch, step, "p2p")] < index
+            if tag.get("step") is None:
+                continue
+            op = getattr(node.target, "overloadpacket", node.target)
+            what = "start" if op is start else "wait" if op is wait else tag["role"]
+            key = (tag["branch"], tag["step"], what)
+            first.setdefault(key, index)
+            last[key] = index
+        overlapped = 0
+        for (branch, step, what), index in first.items():
+            if what == "attention" and (branch, step, "start") in first:
+                assert first[(branch, step, "start")] < index
+                assert last[(branch, step, "attention")] < first[(branch, step, "wait")]
+                overlapped += 1
+        assert overlapped
