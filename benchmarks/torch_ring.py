@@ -21,11 +21,11 @@ Each variant is first checked on every rank: its output and q/k/v gradients agai
 ``F.scaled_dot_product_attention`` over the whole sequence (one process, no ring), max-abs error
 over max-abs value of the rank's shard; above 1e-5 the benchmark aborts. This first step also
 compiles ours. Then, per rank, the median of ``--repeats`` forwards and of ``--repeats`` forward +
-backward steps, each after one warm-up call, every repeat entered together after a
-``dist.barrier()``, the variants taking turns (one repeat of each, then the next round), so that
-other load on the machine falls on all of them alike; and the forward + backward's peak memory: the rise of the process's peak RSS
-over its RSS just before the step (inputs excluded; glibc serves large allocations with mmap so
-freed tensors leave RSS). The table shows the max over ranks.
+backward steps after one warm-up call each, every repeat entered together after a
+``dist.barrier()``; the variants take turns (one repeat of each, then the next round), so that
+other load on the machine falls on all of them alike. Last, the forward + backward's peak memory:
+the rise of the process's peak RSS over its RSS just before the step (inputs excluded; glibc
+serves large allocations with mmap so freed tensors leave RSS). The table shows the max over ranks.
 
     python benchmarks/torch_ring.py                   # N = 8192, P = 2 and 4, causal and not
     python benchmarks/torch_ring.py --quick           # N = 2048, 2 repeats: a smoke run
@@ -50,10 +50,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tabulate import tabulate
-import ring_rewrite
 from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
 import _common
+import ring_rewrite
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 SEQ_DIM = 2
@@ -81,7 +81,8 @@ class Variant:
 
 
 def variants(causal: bool) -> list[Variant]:
-    ours = [Variant("ours", "zigzag"), Variant("ours", "contiguous")] if causal else [Variant("ours", "contiguous")]
+    layouts = ["zigzag", "contiguous"] if causal else ["contiguous"]
+    ours = [Variant("ours", layout) for layout in layouts]
     torch_ = [
         Variant("torch", "zigzag" if balance else "contiguous", rotate, balance)
         for balance in (True, False) for rotate in ROTATES
@@ -246,8 +247,6 @@ def measure(prepared: list[Prepared], repeats: int) -> None:
 def rank_main(rank: int, world: int, opts: dict) -> dict:
     malloc_fixed = _common.malloc_setup()
     torch.set_num_threads(1)
-    # Three compiled variants of ours share one function's code (one graph each).
-    torch._dynamo.config.recompile_limit = max(8, torch._dynamo.config.recompile_limit)
     inputs = global_inputs(opts["seq"])
     runs = []
     for causal in (True, False):
@@ -291,21 +290,24 @@ def rows(world: int, ranks: list[dict]) -> list[dict]:
 def table(all_rows: list[dict]) -> str:
     shown = [
         {
-            "P": r["P"], "causal": r["causal"], "variant": r["variant"] + (" (refused)" if "refused" in r else ""),
+            "P": r["P"], "causal": r["causal"],
+            "variant": r["variant"] + (" (refused)" if "refused" in r else ""),
             "fwd ms": r.get("fwd_ms"), "fwd+bwd ms": r.get("fwd_bwd_ms"), "peak MiB": r.get("peak_mib"),
             "fwd+bwd / best torch": r.get("vs_best_torch"), "fwd / best torch": r.get("fwd_vs_best_torch"),
             "max rel err": r.get("rel_err"),
         }
         for r in all_rows
     ]  # fmt: skip
-    return tabulate(shown, headers="keys", floatfmt=".3g", missingval="-")
+    formats = ("", "", "", ".0f", ".0f", ".1f", ".3f", ".3f", ".2g")
+    return tabulate(shown, headers="keys", floatfmt=formats, missingval="-")
 
 
 def target(all_rows: list[dict]) -> tuple[bool | None, dict[str, float]]:
     """ours / torch's best, forward + backward, at P = 2, causal and not."""
     ratios = {}
     for causal in (True, False):
-        ours = [r for r in all_rows if r["P"] == 2 and r["causal"] == causal and r["variant"] == headline(causal).name]
+        name = headline(causal).name
+        ours = [r for r in all_rows if r["P"] == 2 and r["causal"] == causal and r["variant"] == name]
         if ours:
             ratios["causal" if causal else "non-causal"] = ours[0]["vs_best_torch"]
     if len(ratios) < 2:
@@ -325,12 +327,14 @@ def plot(all_rows: list[dict], worlds: list[int], path: Path) -> None:
             bars = ax.barh(names, values, color=colors)
             for bar, r in zip(bars, group):
                 label = "refused" if "refused" in r else f"{r['fwd_bwd_ms']:.0f}"
-                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {label}", va="center", fontsize=8)
+                middle = bar.get_y() + bar.get_height() / 2
+                ax.text(bar.get_width(), middle, f" {label}", va="center", fontsize=8)
             ax.invert_yaxis()
             ax.set_title(f"P = {world}, {'causal' if causal else 'non-causal'}")
             ax.set_xlabel("forward + backward, ms (max over ranks)")
             ax.margins(x=0.15)
-    fig.suptitle(f"exact ring attention, q/k/v ({BATCH}, {HEADS}, N, {HEAD_DIM}) float32, N = {all_rows[0]['N']}")
+    n = all_rows[0]["N"]
+    fig.suptitle(f"exact ring attention, q/k/v ({BATCH}, {HEADS}, N, {HEAD_DIM}) float32, N = {n}")
     fig.tight_layout()
     _common.save_plot(fig, path)
 
@@ -339,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, help="global sequence length N (default 8192; 2048 with --quick)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="values of P")
-    parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default 5; 2 with --quick)")
-    parser.add_argument("--compiler", choices=["inductor", "aot_eager"], default="inductor", help="ours' compiler")
+    parser.add_argument("--repeats", type=int, help="timed repeats (default 5; 2 with --quick)")
+    parser.add_argument("--compiler", choices=["inductor", "aot_eager"], default="inductor", help="for ours")
     parser.add_argument("--quick", action="store_true", help="a smoke run: N = 2048, 2 repeats")
     parser.add_argument("--out", type=Path, default=_common.RESULTS / "torch_ring.json")
     opts = parser.parse_args(argv)
@@ -356,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         f"exact ring attention, q/k/v ({BATCH}, {HEADS}, N/P, {HEAD_DIM}) float32, N = {seq}, forward and "
         f"forward + backward, median of {repeats}\nours: ring_rewrite, sharded, compiler {opts.compiler}; "
         "torch: _templated_ring_attention(_backward) with the CPU flash kernels, eager\n"
-        f"each rank is a process with torch.set_num_threads(1); {os.cpu_count()} cores shared by all P ranks, "
-        "gloo on loopback\n",
+        f"each rank is a process with torch.set_num_threads(1); {os.cpu_count()} cores shared by all P ranks "
+        "(more ranks than cores: times of a shared machine, not speeds), gloo on loopback\n",
         flush=True,
     )
     machine = _common.machine(threads=1)  # before the run: the commit measured
@@ -386,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refused by torch: {message}")
     met, ratios = target(all_rows)
     shown = ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items())
-    print(f"\ntarget: ours / torch <= {TARGET} for forward+backward at P = 2, causal and not: {shown} -> {_common.verdict(met)}")
+    print(
+        f"\ntarget: ours / torch <= {TARGET} for forward+backward at P = 2, causal and not: "
+        f"{shown} -> {_common.verdict(met)}"
+    )
 
     record = {
         "benchmark": "torch_ring",

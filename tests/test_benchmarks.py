@@ -1,0 +1,43 @@
+"""The benchmarks' own pieces that their numbers rest on: the independent eager implementation
+and the pair counts behind the GFLOP/s (the timings themselves are not tested)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import rel_err
+from ring_rewrite.reference import connection_counts, reference_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import single_device  # noqa: E402
+
+CONFIGS = [([8, 16, 32, 64], [1, 2, 4, 8]), ([16, 64], [1, 2]), (None, None)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("segments, rates", CONFIGS, ids=["longnet", "two", "exact"])
+def test_eager_baseline_is_the_same_function(segments, rates, causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 64, 16, requires_grad=True) for _ in range(3))
+    seg, rat = (segments, rates) if segments else ([64], [1])
+    out = single_device.eager_dilated(q, k, v, seg, rat, causal)
+    ref = reference_attention(q, k, v, segment_lengths=segments, dilation_rates=rates, is_causal=causal)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    errors = [rel_err(a, b) for a, b in zip((out, *grads), (ref, *ref_grads))]
+    assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("segments, rates", CONFIGS, ids=["longnet", "two", "exact"])
+def test_pair_counts_match_the_reference_lattice(segments, rates, causal):
+    n = 128
+    branches = list(zip(segments, rates)) if segments else [(n, 1)]
+    counts = connection_counts(n, 8, branches, is_causal=causal)
+    per_head = {int(counts[j].sum()) for j in range(8)}
+    assert per_head == {single_device.connected_pairs(n, segments, rates, causal)}
