@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                          "empty TORCHINDUCTOR_CACHE_DIR, FX graph and AOT autograd caches off",
             "P>1": "fake process group, rank P-1, sharded",
         },
-        "target": target,
+        "targets": [target],
         "rows": rows,
         "runs": runs,
     })  # fmt: skip

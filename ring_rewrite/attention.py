@@ -322,25 +322,37 @@ def site_forward(plan: SitePlan, q, k, v, mask=None):
 
 def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
     """dq and, back at their owner, dk and dv of one ring branch (all dilated, float32), one
-    head chunk after another."""
-    grads: list[list] = [[], [], []]
+    head chunk after another.
+
+    NOTE: a chunk's dK/dV make their last hop home while the next chunk's first step computes
+    (``landing``); only the last chunk's last hop is waited for with nothing to overlap.
+    """
+    dqs, dkvs = [], []
+    landing = None  # the previous chunk's dK/dV on their way home, and the tag they travel under
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
-        *got, token = _ring_backward_chunk(
+        dq, landed, landing, token = _ring_backward_chunk(
             plan, i, c, branch, heads, dod[:, qh], qd[:, qh], kd[:, kh], vd[:, kh], od[:, qh],
-            lsed[:, qh], None if bias is None else bias[:, qh], token,
+            lsed[:, qh], None if bias is None else bias[:, qh], landing, token,
         )  # fmt: skip
-        for acc, g in zip(grads, got):
-            acc.append(g)
-    return (*(_cat_heads(g) for g in grads), token)
+        dqs.append(dq)
+        if landed is not None:
+            dkvs.append(landed)
+    with role("p2p", branch=i, step=len(branch.ring) - 1):
+        landed, token = _shift_wait(landing[0], token, landing[1])
+    dkvs.append(landed)
+    return _cat_heads(dqs), *(_cat_heads(list(g)) for g in zip(*dkvs)), token
 
 
-def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, token):
-    """dq, dk and dv of one head chunk of a ring branch."""
+def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, landing, token):
+    """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (which landed
+    during this chunk's first step; None for the first chunk), and this chunk's dk and dv still
+    on their last hop home: ``(dq, landed, (dkv, tag), token)``."""
     layout = branch.layout
     hq, hkv = heads
     kv = [kd, vd]
     dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
+    landed = None
     dq_parts: list = [None] * layout.nseg
     last = len(branch.ring) - 1
     for step, blocks in enumerate(branch.steps):
@@ -369,6 +381,10 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                 ):
                     for part, piece in zip(range(p0, p1), _split_rows(x, layout, p0, p1)):
                         parts[part] = _acc(parts[part], piece.float())
+        if landing is not None:
+            with role("p2p", branch=i, step=last):
+                landed, token = _shift_wait(landing[0], token, landing[1])
+            landing = None
         if step > 0:
             # The accumulators sent last step (they moved during this step's compute) belong to
             # the K/V held now.
@@ -387,9 +403,7 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv, token = _shift_wait(kv, token, plan.tag(i, _KV_BACK, step, c))
-    with role("p2p", branch=i, step=last):
-        dkv, token = _shift_wait(dkv, token, plan.tag(i, _DKV, last, c))
-    return _join_parts(dq_parts, layout), dkv[0], dkv[1], token
+    return _join_parts(dq_parts, layout), landed, (dkv, plan.tag(i, _DKV, last, c)), token
 
 
 def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
