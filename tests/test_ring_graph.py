@@ -104,3 +104,38 @@ def test_each_transfer_starts_before_the_compute_it_overlaps_and_ends_after(per_
                 assert last[(branch, step, "attention")] < first[(branch, step, "wait")]
                 overlapped += 1
         assert overlapped
+
+
+def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeypatch):
+    # Note [Head chunks]: with every kv head its own chunk, chunk c's dK/dV travel home while
+    # chunk c + 1 computes; only the last chunk's last hop has no compute inside it.
+    from ring_rewrite import attention
+
+    monkeypatch.setattr(attention, "RING_CHUNK_BYTES", 1)
+    start, wait = torch.ops.ring_rewrite.ring_shift_start, torch.ops.ring_rewrite.ring_shift_wait
+    backward_block = torch.ops.ring_rewrite.block_attention_backward
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def inputs(rank):
+        return [torch.randn(1, 4, 16, 8, requires_grad=True) for _ in range(3)]
+
+    for c in capture_ranks(attend, inputs, world=WORLD, sharding="sharded"):
+        (gm,) = c.after
+        (record,) = c.records
+        (branch,) = record.plan.branches
+        chunks = record.plan.head_chunks(branch)
+        assert chunks == 4
+        last = len(branch.ring) - 1
+        last_hops = {record.plan.tag(0, attention._DKV, last, chunk) for chunk in range(chunks)}
+        blocks_since, overlapped = {}, []  # last hop started -> backward blocks since its start
+        for node in gm.ring_rewrite_bwd_0.graph.nodes:
+            op = getattr(node.target, "overloadpacket", node.target)
+            if op is start and node.args[-1] in last_hops:
+                blocks_since[node.args[-1]] = 0
+            elif op is backward_block:
+                blocks_since = {tag: count + 1 for tag, count in blocks_since.items()}
+            elif op is wait and node.args[-1] in last_hops:
+                overlapped.append(blocks_since.pop(node.args[-1]) > 0)
+        assert overlapped == [True] * (chunks - 1) + [False]
