@@ -25,7 +25,9 @@ gradients. Over all heads those are some eight local-K-sized tensors on top of t
 single-device backward also needs (out, dq, dk, dv), which would keep the per-rank peak far above
 1/P of the single-device one; in ``g`` chunks they shrink to ``1/g``. Chunks cost one more
 transfer and kernel call each, so ``SitePlan.head_chunks`` takes as many as divide the dilated kv
-heads while each K/V message stays at least ``RING_CHUNK_BYTES`` (small rings stay whole).
+heads while each K/V message stays at least ``RING_CHUNK_BYTES`` (small rings stay whole). In the
+backward a chunk's dK/dV make their last hop home while the next chunk's first step computes, so
+only the last chunk's last hop has nothing to overlap with.
 """
 
 from __future__ import annotations
