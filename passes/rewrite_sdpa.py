@@ -7,30 +7,45 @@ Before::
 After::
 
     bias = <mask to additive key bias (B|1, Hq|1, N)>                  # role "mask", if m
-    out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias])
+    token = ring_rewrite.p2p.site_token(0)                              # role "p2p", if P > 1
+    out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias][, token])
 
-``ring_rewrite_fwd_0`` holds, per branch, the ``dilate`` gathers, one ``block_attention`` node
-(``(out, lse)``), the ``undilate`` scatters, then the ``merge``; ``ring_rewrite_bwd_0`` the
-explicit backward of ``ring_rewrite.attention`` (one ``block_attention_backward`` per branch).
-Every inserted node carries ``meta["ring_rewrite"] = {"site": i, "role": ..., "branch": ...}``
-and the SDPA node's ``stack_trace``.
+``ring_rewrite_fwd_0`` calls ``invoke_subgraph`` on the site's forward body: per branch the
+``dilate`` gathers, the ring's transfers and ``block_attention`` nodes (``(out, lse)``), the
+``undilate`` scatters, then the ``merge``; ``ring_rewrite_bwd_0`` likewise on the explicit backward
+of ``ring_rewrite.attention``. Every inserted node carries ``meta["ring_rewrite"] = {"site": i,
+"role": ..., "branch": ...}`` and the SDPA node's ``stack_trace``.
+
+Note [One body per plan]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A transformer's layers have sites with the same plan (and input strides). Their forward and
+backward bodies are traced once, by the first of them (whose index their nodes carry), and every
+such site calls the same bodies through ``invoke_subgraph`` under the same identifier: AOT
+autograd traces and inductor lowers each body once, not once per layer. Inlined per layer, a
+LongNet site at P = 4 added about 4 s of compile per layer and the model compiled up to 2.4x as
+long as without the rewrite (benchmarks/README.md, compile cost). The only per-site value a body
+needs, the site index in the transfer tags, comes in as the token's value (Note [Ordering the
+ring's messages] in ``ring_rewrite/p2p.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ring_rewrite._roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import check_agreement, resolve_group
+from ring_rewrite.p2p import check_agreement, resolve_group, site_token
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
 from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, unsupported_reason
@@ -173,9 +188,15 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int
                 )
             args.append(bias)
             names.append("mask")
+        if plan.world > 1:
+            token = graph.call_function(site_token, (index,))
+            stamp(token, index, stack, role="p2p")
+            args.append(token)
+            names.append("token")
         saved = ["q", "k", "v", "out", "lse", *names[3:]]
-        fwd = trace_subgraph(functools.partial(site_forward, plan), names, index, stack)
-        bwd = trace_subgraph(functools.partial(site_backward, plan), ["dout", *saved], index, stack)
+        inputs = [site.query, site.key, site.value, site.attn_mask]
+        strides = tuple(None if x is None else _strides(site.meta(x)) for x in inputs)
+        fwd, bwd = _bodies(gm, plan, names, saved, strides, index, stack)
         fwd_name, bwd_name = f"ring_rewrite_fwd_{index}", f"ring_rewrite_bwd_{index}"
         gm.add_submodule(fwd_name, fwd)
         gm.add_submodule(bwd_name, bwd)
@@ -190,3 +211,92 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int
     call.meta["example_value"] = node.meta.get("example_value")
     node.replace_all_uses_with(call)
     graph.erase_node(node)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where a value of a site's traced result comes from: the ``index``-th output of its body
+    (``"body"``) or the ``index``-th input of the call (``"input"``)."""
+
+    source: str
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Body:
+    """A site's forward or backward, traced once per plan.
+
+    An ``invoke_subgraph`` body must return a flat tuple of distinct tensors that alias none of
+    its inputs; the traced functions return nested lists, inputs (the saved ``q, k, v``, a token
+    no transfer used) and one tensor twice (``out``, returned and saved). So the body returns
+    each tensor it computes once, and ``result`` is the traced output with a ``_Slot`` in place
+    of every tensor.
+    """
+
+    module: fx.GraphModule
+    identifier: str
+    names: tuple[str, ...]
+    result: Any
+    outputs: int
+
+
+def _trace_body(fn, plan: SitePlan, names: list[str], index: int, stack: str | None) -> _Body:
+    # The names are the parameters of site_forward / site_backward.
+    module = trace_subgraph(lambda *xs: fn(plan, **dict(zip(names, xs))), names, index, stack)
+    (output,) = module.graph.find_nodes(op="output")
+    inputs = {node: j for j, node in enumerate(module.graph.find_nodes(op="placeholder"))}
+    computed: dict[fx.Node, int] = {}
+
+    def slot(x):
+        if not isinstance(x, fx.Node):
+            return x
+        if x in inputs:
+            return _Slot("input", inputs[x])
+        return _Slot("body", computed.setdefault(x, len(computed)))
+
+    result = pytree.tree_map(slot, output.args[0])
+    output.args = (tuple(computed),)
+    module.recompile()
+    return _Body(module, f"ring_rewrite_{fn.__name__}_{index}", tuple(names), result, len(computed))
+
+
+def _strides(value: Any) -> tuple[int, ...] | None:
+    """Strides as ints; symbolic ones are specialised, as the sizes are (``find_sdpa``)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(guard_int(s) if isinstance(s, torch.SymInt) else int(s) for s in value.stride())
+
+
+def _bodies(gm, plan, names, saved, strides, index, stack) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The site's forward and backward graphs: calls of the bodies shared by every site with the
+    same plan and input strides (Note [One body per plan])."""
+    shared = gm.meta.setdefault("ring_rewrite_bodies", {})
+    # NOTE: AOT traces a body, and inductor compiles it, for the strides of its first call.
+    key = (dataclasses.replace(plan, site=0), tuple(names), strides)
+    if key not in shared:
+        shared[key] = (
+            _trace_body(site_forward, plan, names, index, stack),
+            _trace_body(site_backward, plan, ["dout", *saved], index, stack),
+        )
+    return tuple(_invoke(body, index, stack) for body in shared[key])
+
+
+def _invoke(body: _Body, index: int, stack: str | None) -> fx.GraphModule:
+    graph = fx.Graph()
+    inputs = [graph.placeholder(name) for name in body.names]
+    root = torch.nn.Module()
+    root.body = body.module
+    call = graph.call_function(
+        torch.ops.higher_order.invoke_subgraph, (graph.get_attr("body"), body.identifier, *inputs)
+    )
+    values = {
+        "input": inputs,
+        "body": [graph.call_function(operator.getitem, (call, i)) for i in range(body.outputs)],
+    }
+    graph.output(
+        pytree.tree_map(lambda x: values[x.source][x.index] if isinstance(x, _Slot) else x, body.result)
+    )
+    for node in graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            stamp(node, index, stack, role="site")
+    return fx.GraphModule(root, graph)

@@ -1,8 +1,9 @@
 """Dilated ring attention of one SDPA site: forward and its explicit backward.
 
 Both functions are plain torch code over a frozen ``SitePlan``; the rewrite pass traces each
-into an FX graph and joins them with ``autograd_function_apply``, so the graph handed to the
-inner compiler shows every gather, transfer, block attention call and merge of the site. With
+into an FX body (once per plan, shared by the sites that have it) and joins the two with
+``autograd_function_apply``, so the graph handed to the inner compiler shows every gather,
+transfer, block attention call and merge of the site. With
 one rank every branch is local and no transfer appears: the single-device case is the ring's
 degenerate case, not a second code path.
 
@@ -39,14 +40,13 @@ import torch
 from ._roles import role
 from .layout import assemble, take_shard
 from .merge import merge_partials
-from .p2p import new_token
 from .schedule import Block, BranchPlan, plan_branch
 
 __all__ = ["SitePlan", "site_forward", "site_backward"]
 
 _NEG_INF = float("-inf")
-# Transfer tags: (((site * 64 + branch) * 4 + direction) * 64 + chunk) * 1024 + step, modulo
-# 2**28 so that the per-message tags stay within gloo's int (Note [Ordering the ring's messages]).
+# Transfer tags within a site: ((branch * 4 + direction) * 64 + chunk) * 1024 + step; the ops add
+# the site, which the token carries (Note [Ordering the ring's messages]).
 _KV, _KV_BACK, _DKV, _GATHER = range(4)
 # A ring branch runs its heads in chunks whose K/V message is at least this large (Note [Head
 # chunks]).
@@ -109,7 +109,7 @@ class SitePlan:
         return self.world > 1 and self.sharding == "replicated"
 
     def tag(self, branch: int, direction: int, step: int, chunk: int = 0) -> int:
-        return ((((self.site * 64 + branch) * 4 + direction) * 64 + chunk) * 1024 + step) % 2**28
+        return ((branch * 4 + direction) * 64 + chunk) * 1024 + step
 
     def head_chunks(self, branch: BranchPlan) -> int:
         """How many head chunks a ring branch runs in, one after another (Note [Head chunks]):
@@ -286,9 +286,10 @@ def _dilate(plan: SitePlan, layout, *xs, kv: bool = False, upcast: bool = True):
     return [dilate(x).to(plan.compute_dtype) for x in xs]
 
 
-def site_forward(plan: SitePlan, q, k, v, mask=None):
-    """``(q, k, v[, mask]) -> (out, saved)``; ``mask`` is an additive key bias ``(B|1, Hq|1, N)``."""
-    token = new_token(q) if plan.world > 1 else None
+def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
+    """``(q, k, v[, mask][, token]) -> (out, saved)``; ``mask`` is an additive key bias
+    ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
+    transfers (``p2p.site_token``)."""
     with role("shard"):
         ql, kl, vl = _local(plan, q), _local(plan, k), _local(plan, v)
     outs, lses = [], []
@@ -311,7 +312,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None):
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse] + ([] if mask is None else [mask])
+    saved = [q, k, v, out, lse] + [x for x in (mask, token) if x is not None]
     if plan.gathers:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
@@ -416,9 +417,9 @@ def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
     return like.new_zeros(shape, dtype=torch.float32)
 
 
-def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):
-    """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask)."""
-    token = new_token(q) if plan.world > 1 else None
+def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None):
+    """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask and the
+    token)."""
     with role("shard"):
         ql, kl, vl, dol = (_local(plan, x) for x in (q, k, v, dout))
     dq = dk = dv = None
@@ -448,4 +449,4 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None):
         with role("shard"):
             for j, g in enumerate(grads):
                 grads[j], token = _gather(plan, g, token, plan.tag(0, _GATHER, 1 + j))
-    return (*grads,) if mask is None else (*grads, None)
+    return (*grads, *(None for x in (mask, token) if x is not None))

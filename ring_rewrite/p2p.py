@@ -6,13 +6,24 @@ Seen on torch 2.13 (FINDINGS.md): a P2P op whose result one rank does not use is
 eliminated on that rank only; inductor may order independent P2P calls differently on different
 ranks, and equal-shaped messages then pair up wrong without an error. So every op here
 
-* is registered with an ORDERED effect (never eliminated, never duplicated),
-* takes the previous transfer's ``token`` and returns the next one: all transfers of a graph form
+* is marked side-effectful (``torch.fx.node.has_side_effect``, which inductor honours too):
+  never eliminated, even where a rank does not use what it received,
+* takes the previous transfer's ``token`` and returns the next one: all transfers of a site form
   one data-dependency chain, so every rank runs them in the same order (a ring step is two ops,
   ``ring_shift_start`` before the compute it overlaps and ``ring_shift_wait`` after it, both in
-  the chain),
-* sends each message under its own tag (site, branch, direction, step): a schedule that still
-  went wrong would fail loudly (a timeout naming the op) instead of pairing the wrong buffers.
+  the chain). The backward's transfers all sit in the site's backward body, one
+  ``invoke_subgraph`` call that takes ``dout``: AOT's partitioner cannot hoist one into the
+  forward (where it would save every rotated K/V block),
+* sends each message under its own tag: the transfer's place in its site (branch, direction,
+  head chunk, step) plus the site, which the token carries as its value (``site_token``). A
+  schedule that still went wrong fails loudly (a timeout naming the op) instead of pairing the
+  wrong buffers.
+
+Why not ``EffectType.ORDERED``: a rewritten site is one ``invoke_subgraph`` body shared by every
+layer with the same plan (Note [One body per plan] in ``passes/rewrite_sdpa.py``), and on torch
+2.13 an effectful op inside ``invoke_subgraph`` drops the gradients of the whole call (its
+output no longer requires grad), or fails AOT with a missing ``tangents_token`` when the call
+sits in a backward graph. The site index cannot be a constant of a shared body, hence the token.
 """
 
 from __future__ import annotations
@@ -20,9 +31,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch._library.effects import EffectType
 
-__all__ = ["ring_shift_start", "ring_shift_wait", "all_gather_seq", "new_token", "resolve_group", "check_agreement"]
+__all__ = [
+    "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
+    "resolve_group", "check_agreement",
+]  # fmt: skip
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
@@ -31,9 +44,20 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-def new_token(like: torch.Tensor) -> torch.Tensor:
-    """The first token of a chain (tokens carry no data, only order)."""
-    return like.new_zeros((1,), dtype=torch.float32)
+def site_token(site: int) -> torch.Tensor:
+    """The first token of a site's chain. Tokens order the transfers (each op takes one and
+    returns the next) and carry the site index as their value, for the tags."""
+    return torch.full((1,), float(site))
+
+
+_SITE_BITS = 24  # a transfer's tag within its site is below 2**24 (SitePlan.tag)
+
+
+def _message_tag(token: torch.Tensor, tag: int) -> tuple[int, str]:
+    """The site's transfer ``tag`` made unique across sites (within gloo's int: sites 16 apart
+    share tags), and how errors name it."""
+    site = int(token.item())
+    return ((site << _SITE_BITS) + tag) % 2**28, f"transfer {tag} of site {site}"
 
 
 # Transfers started and not yet waited for, by tag: (works, received, sent). Holding ``sent``
@@ -57,8 +81,9 @@ def ring_shift_start(
     Message ``i`` goes under tag ``4 * tag + i`` (so at most 4 tensors per call).
     """
     assert len(xs) <= 4, "ring_shift_start sends at most 4 tensors per call"
+    tag, name = _message_tag(token, tag)
     if tag in _PENDING:
-        raise RuntimeError(f"ring_rewrite: transfer {tag} started twice without a wait")
+        raise RuntimeError(f"ring_rewrite: {name} started twice without a wait")
     group = _group(group_name)
     xs = [x.contiguous() for x in xs]
     received = [torch.empty_like(x) for x in xs]
@@ -66,7 +91,7 @@ def ring_shift_start(
     ops += [dist.P2POp(dist.irecv, r, recv_from, group, 4 * tag + i) for i, r in enumerate(received)]
     _PENDING[tag] = (dist.batch_isend_irecv(ops), received, xs)
     counters["ring_rewrite"]["bytes_sent"] += sum(x.numel() * x.element_size() for x in xs)
-    return token + 1
+    return token.clone()
 
 
 @ring_shift_start.register_fake
@@ -79,14 +104,15 @@ def ring_shift_wait(xs: list[torch.Tensor], token: torch.Tensor, tag: int) -> li
     """Finish the transfer ``ring_shift_start`` began under ``tag``: the received tensors, then
     the next token. ``xs`` are the tensors it sent (their shapes for the fake kernel; taking them
     keeps them alive in the graph until the transfer is done)."""
+    tag, name = _message_tag(token, tag)
     if tag not in _PENDING:
         raise RuntimeError(
-            f"ring_rewrite: no transfer {tag} is pending (waited before its start, or twice)"
+            f"ring_rewrite: no {name} is pending (waited before its start, or twice)"
         )
     works, received, _ = _PENDING.pop(tag)
     for work in works:
         work.wait()
-    return [*received, token + 1]
+    return [*received, token.clone()]
 
 
 @ring_shift_wait.register_fake
@@ -94,8 +120,8 @@ def _(xs, token, tag):
     return [*(x.new_empty(x.shape) for x in xs), token.new_empty(token.shape)]
 
 
-ring_shift_start.register_effect(EffectType.ORDERED)
-ring_shift_wait.register_effect(EffectType.ORDERED)
+torch.fx.node.has_side_effect(torch.ops.ring_rewrite.ring_shift_start.default)
+torch.fx.node.has_side_effect(torch.ops.ring_rewrite.ring_shift_wait.default)
 
 
 @torch.library.custom_op("ring_rewrite::all_gather_seq", mutates_args=())
@@ -115,6 +141,7 @@ def all_gather_seq(
     ranks really hold the same sequence.
     """
     group = _group(group_name)
+    tag, _ = _message_tag(token, tag)
     check = _tag_bytes(tag, x.device)
     if same is not None:
         check = torch.cat([check, same.contiguous().view(-1).view(torch.uint8)])
@@ -137,7 +164,7 @@ def all_gather_seq(
         )
     out = gathered[:, : x.numel() * x.element_size()].contiguous().view(x.dtype)
     counters["ring_rewrite"]["bytes_sent"] += payload.numel() * (world - 1)
-    return out.view(world, *x.shape), token + 1
+    return out.view(world, *x.shape), token.clone()
 
 
 def _tag_bytes(tag: int, device: torch.device) -> torch.Tensor:
@@ -149,7 +176,7 @@ def _(x, token, group_name, world, tag, same=None):
     return x.new_empty((world, *x.shape)), token.new_empty(token.shape)
 
 
-all_gather_seq.register_effect(EffectType.ORDERED)
+torch.fx.node.has_side_effect(torch.ops.ring_rewrite.all_gather_seq.default)
 
 
 def resolve_group(group) -> tuple[dist.ProcessGroup | None, int, int]:

@@ -72,6 +72,7 @@ __all__ = [
     "graph_diff",
     "graph_text",
     "op_label",
+    "site_body",
     "transfers",
 ]
 
@@ -255,16 +256,13 @@ def op_label(node: fx.Node) -> str:
     """A short, version-stable name for what ``node`` computes.
 
     ``scaled_dot_product_attention``, ``ring_rewrite.block_attention``, ``aten.mm``,
-    ``Tensor.view`` (a method), ``getitem``, ``get_attr``, ``with_effects(ring_rewrite.ring_shift_start)``.
+    ``Tensor.view`` (a method), ``getitem``, ``get_attr``, ``invoke_subgraph``.
     """
     if node.op in ("placeholder", "output", "get_attr", "call_module"):
         return node.op
     if node.op == "call_method":
         return f"Tensor.{node.target}"
-    target = node.target
-    if target is torch.ops.higher_order.with_effects and len(node.args) > 1:
-        return f"with_effects({_callable_label(node.args[1])})"
-    return _callable_label(target)
+    return _callable_label(node.target)
 
 
 def _callable_label(target: Any) -> str:
@@ -278,12 +276,10 @@ def _callable_label(target: Any) -> str:
 
 
 def _p2p_op(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:
-    """``(kind, op, args, kwargs)`` when ``node`` is a ring transfer (direct or in with_effects)."""
+    """``(kind, op, args, kwargs)`` when ``node`` is a ring transfer."""
     if node.op != "call_function":
         return None
     target, args = node.target, node.args
-    if target is torch.ops.higher_order.with_effects and len(args) > 1:
-        target, args = args[1], args[2:]
     kind = _P2P.get(_callable_label(target)) if callable(target) else None
     return None if kind is None else (kind, target, tuple(args), dict(node.kwargs))
 
@@ -348,6 +344,16 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part, None)
     return obj
+
+
+def site_body(gm: fx.GraphModule, site: int, which: str = "fwd") -> fx.GraphModule:
+    """The graph of a rewritten site's forward (``"fwd"``) or backward (``"bwd"``): the body its
+    ``ring_rewrite_fwd_N`` / ``_bwd_N`` subgraph calls through ``invoke_subgraph``, shared by
+    every site of ``gm`` with the same plan (Note [One body per plan] in ``passes/rewrite_sdpa.py``)."""
+    return getattr(gm, f"ring_rewrite_{which}_{site}").body
+
+
+_SITE_MODULE = re.compile(r"ring_rewrite_(?:fwd|bwd)_(\d+)\.")
 
 
 def _site_subgraphs(gm: fx.GraphModule, which: str) -> list[tuple[str, int]]:
@@ -546,9 +552,13 @@ def _nodes(gm: fx.GraphModule, index: int) -> dict[tuple[str, str, str], NodeInf
     for module, node in _walk(gm):
         if node.op in ("placeholder", "output"):
             continue
-        info = NodeInfo(
-            index, module, node.name, op_label(node), location(node), node.meta.get("ring_rewrite")
-        )
+        tag = node.meta.get("ring_rewrite")
+        within = _SITE_MODULE.match(module)
+        if tag is not None and within:
+            # A shared body's nodes carry the first site's index; reached through this site's
+            # subgraph, they are this site's.
+            tag = {**tag, "site": int(within.group(1))}
+        info = NodeInfo(index, module, node.name, op_label(node), location(node), tag)
         nodes[(module, node.name, info.op)] = info
     return nodes
 
@@ -668,8 +678,9 @@ _DTYPE_ABBR = {
 def transfers(graphs: fx.GraphModule | Iterable[fx.GraphModule], graph: str = "forward") -> list[Transfer]:
     """Every ring transfer of ``graphs`` (subgraphs included), in graph order.
 
-    Works on AOT graphs (the custom ops inside ``with_effects``) and on dynamo graphs (direct
-    calls in the ``ring_rewrite_fwd_N`` / ``_bwd_N`` subgraphs). ``graph`` labels the result.
+    Works on AOT graphs and on dynamo graphs (the sites' ``ring_rewrite_fwd_N`` / ``_bwd_N``
+    subgraphs and the bodies they call), walking every ``invoke_subgraph`` body at each call.
+    ``graph`` labels the result.
     """
     if isinstance(graphs, fx.GraphModule):
         graphs = [graphs]

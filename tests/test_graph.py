@@ -12,7 +12,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 from passes import UnsupportedSiteError, rewrite_sdpa
 from passes.find_sdpa import SDPA_TARGETS
 from ring_rewrite import RingDilatedConfig, testing
-from ring_rewrite.testing import assert_expected_graph, assert_left_alone, assert_rewritten
+from ring_rewrite.testing import assert_expected_graph, assert_left_alone, assert_rewritten, site_body
 
 from conftest import Capture
 
@@ -55,7 +55,10 @@ def test_rewritten_site_shape(segments, rates):
     assert summary.attention == (branches, branches) and summary.transfers == (0, 0)
     (site,) = calls(gm, autograd_function_apply)
     assert site.meta["ring_rewrite"] == {"site": 0, "role": "site"}
-    fwd, bwd = (getattr(gm, a.target) for a in site.args[:2])
+    assert [getattr(gm, a.target).body for a in site.args[:2]] == [
+        site_body(gm, 0), site_body(gm, 0, "bwd")
+    ]  # fmt: skip
+    fwd, bwd = site_body(gm, 0), site_body(gm, 0, "bwd")
     fwd_attn = calls(fwd, ATTN)
     assert len(fwd_attn) == branches and calls(fwd, ATTN_BWD) == []
     assert len(calls(bwd, ATTN_BWD)) == branches and calls(bwd, ATTN) == []
@@ -76,7 +79,7 @@ def test_forward_order_per_branch():
     """Each branch dilates, attends, then undilates; the merge comes after every branch."""
     cap = capture(attention, *qkv(), segment_lengths=[8, 16], dilation_rates=[1, 2])
     (gm,) = cap.after
-    fwd = getattr(gm, "ring_rewrite_fwd_0")
+    fwd = site_body(gm, 0)
     sequence = []
     for node in fwd.graph.nodes:
         tag = node.meta.get("ring_rewrite", {})
@@ -121,78 +124,95 @@ class GraphModule(torch.nn.Module):
 
     class ring_rewrite_fwd_0(torch.nn.Module):
         def forward(self, q, k, v):
-            view = q.view(1, 2, 1, 8, 1, -1)
-            permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
-            getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
-            reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
-            view_1 = k.view(1, 2, 1, 8, 1, -1)
-            permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
-            reshape_1 = permute_1.reshape(1, 2, 8, -1);  permute_1 = None
-            view_2 = v.view(1, 2, 1, 8, 1, -1)
-            permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
-            reshape_2 = permute_2.reshape(1, 2, 8, -1);  permute_2 = None
-            block_attention = torch.ops.ring_rewrite.block_attention(reshape, reshape_1, reshape_2, None, 0.5, True);  reshape = reshape_1 = reshape_2 = None
-            getitem_1 = block_attention[0]
-            getitem_2 = block_attention[1];  block_attention = None
-            view_3 = getitem_1.view(1, 1, 2, 8, -1);  getitem_1 = None
-            unsqueeze = view_3.unsqueeze(3);  view_3 = None
-            permute_3 = unsqueeze.permute(0, 2, 1, 4, 3, 5);  unsqueeze = None
-            reshape_3 = permute_3.reshape(1, 2, 8, -1);  permute_3 = None
-            unsqueeze_1 = getitem_2.unsqueeze(-1);  getitem_2 = None
-            view_4 = unsqueeze_1.view(1, 1, 2, 8, -1);  unsqueeze_1 = None
-            unsqueeze_2 = view_4.unsqueeze(3);  view_4 = None
-            permute_4 = unsqueeze_2.permute(0, 2, 1, 4, 3, 5);  unsqueeze_2 = None
-            reshape_4 = permute_4.reshape(1, 2, 8, -1);  permute_4 = None
-            squeeze = reshape_4.squeeze(-1);  reshape_4 = None
-            to = reshape_3.to(torch.float32);  reshape_3 = None
-            return (to, [q, k, v, to, squeeze])
+            body = self.body
+            invoke_subgraph = torch.ops.higher_order.invoke_subgraph(body, 'ring_rewrite_site_forward_0', q, k, v);  body = None
+            getitem = invoke_subgraph[0]
+            getitem_1 = invoke_subgraph[1];  invoke_subgraph = None
+            return (getitem, [q, k, v, getitem, getitem_1])
+
+        class body(torch.nn.Module):
+            def forward(self, q, k, v):
+                view = q.view(1, 2, 1, 8, 1, -1);  q = None
+                permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
+                getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
+                reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
+                view_1 = k.view(1, 2, 1, 8, 1, -1);  k = None
+                permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
+                reshape_1 = permute_1.reshape(1, 2, 8, -1);  permute_1 = None
+                view_2 = v.view(1, 2, 1, 8, 1, -1);  v = None
+                permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
+                reshape_2 = permute_2.reshape(1, 2, 8, -1);  permute_2 = None
+                block_attention = torch.ops.ring_rewrite.block_attention(reshape, reshape_1, reshape_2, None, 0.5, True);  reshape = reshape_1 = reshape_2 = None
+                getitem_1 = block_attention[0]
+                getitem_2 = block_attention[1];  block_attention = None
+                view_3 = getitem_1.view(1, 1, 2, 8, -1);  getitem_1 = None
+                unsqueeze = view_3.unsqueeze(3);  view_3 = None
+                permute_3 = unsqueeze.permute(0, 2, 1, 4, 3, 5);  unsqueeze = None
+                reshape_3 = permute_3.reshape(1, 2, 8, -1);  permute_3 = None
+                unsqueeze_1 = getitem_2.unsqueeze(-1);  getitem_2 = None
+                view_4 = unsqueeze_1.view(1, 1, 2, 8, -1);  unsqueeze_1 = None
+                unsqueeze_2 = view_4.unsqueeze(3);  view_4 = None
+                permute_4 = unsqueeze_2.permute(0, 2, 1, 4, 3, 5);  unsqueeze_2 = None
+                reshape_4 = permute_4.reshape(1, 2, 8, -1);  permute_4 = None
+                squeeze = reshape_4.squeeze(-1);  reshape_4 = None
+                to = reshape_3.to(torch.float32);  reshape_3 = None
+                return (to, squeeze)
 
     class ring_rewrite_bwd_0(torch.nn.Module):
         def forward(self, dout, q, k, v, out, lse):
-            view = q.view(1, 2, 1, 8, 1, -1);  q = None
-            permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
-            getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
-            reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
-            view_1 = dout.view(1, 2, 1, 8, 1, -1);  dout = None
-            permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
-            getitem_1 = permute_1[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_1 = None
-            reshape_1 = getitem_1.reshape(1, 2, 8, -1);  getitem_1 = None
-            view_2 = out.view(1, 2, 1, 8, 1, -1);  out = None
-            permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
-            getitem_2 = permute_2[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_2 = None
-            reshape_2 = getitem_2.reshape(1, 2, 8, -1);  getitem_2 = None
-            view_3 = k.view(1, 2, 1, 8, 1, -1);  k = None
-            permute_3 = view_3.permute(0, 2, 1, 4, 3, 5);  view_3 = None
-            reshape_3 = permute_3.reshape(1, 2, 8, -1);  permute_3 = None
-            view_4 = v.view(1, 2, 1, 8, 1, -1);  v = None
-            permute_4 = view_4.permute(0, 2, 1, 4, 3, 5);  view_4 = None
-            reshape_4 = permute_4.reshape(1, 2, 8, -1);  permute_4 = None
-            unsqueeze = lse.unsqueeze(-1);  lse = None
-            view_5 = unsqueeze.view(1, 2, 1, 8, 1, -1);  unsqueeze = None
-            permute_5 = view_5.permute(0, 2, 1, 4, 3, 5);  view_5 = None
-            getitem_3 = permute_5[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_5 = None
-            reshape_5 = getitem_3.reshape(1, 2, 8, -1);  getitem_3 = None
-            squeeze = reshape_5.squeeze(-1);  reshape_5 = None
-            block_attention_backward = torch.ops.ring_rewrite.block_attention_backward(reshape_1, reshape, reshape_3, reshape_4, reshape_2, squeeze, None, 0.5, True);  reshape_1 = reshape = reshape_3 = reshape_4 = reshape_2 = squeeze = None
-            getitem_4 = block_attention_backward[0]
-            getitem_5 = block_attention_backward[1]
-            getitem_6 = block_attention_backward[2];  block_attention_backward = None
-            view_6 = getitem_4.view(1, 1, 2, 8, -1);  getitem_4 = None
-            unsqueeze_1 = view_6.unsqueeze(3);  view_6 = None
-            permute_6 = unsqueeze_1.permute(0, 2, 1, 4, 3, 5);  unsqueeze_1 = None
-            reshape_6 = permute_6.reshape(1, 2, 8, -1);  permute_6 = None
-            view_7 = getitem_5.view(1, 1, 2, 8, 4);  getitem_5 = None
-            view_8 = view_7.view(1, 1, 2, 1, 8, 4);  view_7 = None
-            permute_7 = view_8.permute(0, 2, 1, 4, 3, 5);  view_8 = None
-            reshape_7 = permute_7.reshape(1, 2, 8, -1);  permute_7 = None
-            view_9 = getitem_6.view(1, 1, 2, 8, 4);  getitem_6 = None
-            view_10 = view_9.view(1, 1, 2, 1, 8, 4);  view_9 = None
-            permute_8 = view_10.permute(0, 2, 1, 4, 3, 5);  view_10 = None
-            reshape_8 = permute_8.reshape(1, 2, 8, -1);  permute_8 = None
-            to = reshape_6.to(torch.float32);  reshape_6 = None
-            to_1 = reshape_7.to(torch.float32);  reshape_7 = None
-            to_2 = reshape_8.to(torch.float32);  reshape_8 = None
-            return (to, to_1, to_2)
+            body = self.body
+            invoke_subgraph = torch.ops.higher_order.invoke_subgraph(body, 'ring_rewrite_site_backward_0', dout, q, k, v, out, lse);  body = dout = q = k = v = out = lse = None
+            getitem = invoke_subgraph[0]
+            getitem_1 = invoke_subgraph[1]
+            getitem_2 = invoke_subgraph[2];  invoke_subgraph = None
+            return (getitem, getitem_1, getitem_2)
+
+        class body(torch.nn.Module):
+            def forward(self, dout, q, k, v, out, lse):
+                view = q.view(1, 2, 1, 8, 1, -1);  q = None
+                permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
+                getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
+                reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
+                view_1 = dout.view(1, 2, 1, 8, 1, -1);  dout = None
+                permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
+                getitem_1 = permute_1[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_1 = None
+                reshape_1 = getitem_1.reshape(1, 2, 8, -1);  getitem_1 = None
+                view_2 = out.view(1, 2, 1, 8, 1, -1);  out = None
+                permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
+                getitem_2 = permute_2[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_2 = None
+                reshape_2 = getitem_2.reshape(1, 2, 8, -1);  getitem_2 = None
+                view_3 = k.view(1, 2, 1, 8, 1, -1);  k = None
+                permute_3 = view_3.permute(0, 2, 1, 4, 3, 5);  view_3 = None
+                reshape_3 = permute_3.reshape(1, 2, 8, -1);  permute_3 = None
+                view_4 = v.view(1, 2, 1, 8, 1, -1);  v = None
+                permute_4 = view_4.permute(0, 2, 1, 4, 3, 5);  view_4 = None
+                reshape_4 = permute_4.reshape(1, 2, 8, -1);  permute_4 = None
+                unsqueeze = lse.unsqueeze(-1);  lse = None
+                view_5 = unsqueeze.view(1, 2, 1, 8, 1, -1);  unsqueeze = None
+                permute_5 = view_5.permute(0, 2, 1, 4, 3, 5);  view_5 = None
+                getitem_3 = permute_5[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute_5 = None
+                reshape_5 = getitem_3.reshape(1, 2, 8, -1);  getitem_3 = None
+                squeeze = reshape_5.squeeze(-1);  reshape_5 = None
+                block_attention_backward = torch.ops.ring_rewrite.block_attention_backward(reshape_1, reshape, reshape_3, reshape_4, reshape_2, squeeze, None, 0.5, True);  reshape_1 = reshape = reshape_3 = reshape_4 = reshape_2 = squeeze = None
+                getitem_4 = block_attention_backward[0]
+                getitem_5 = block_attention_backward[1]
+                getitem_6 = block_attention_backward[2];  block_attention_backward = None
+                view_6 = getitem_4.view(1, 1, 2, 8, -1);  getitem_4 = None
+                unsqueeze_1 = view_6.unsqueeze(3);  view_6 = None
+                permute_6 = unsqueeze_1.permute(0, 2, 1, 4, 3, 5);  unsqueeze_1 = None
+                reshape_6 = permute_6.reshape(1, 2, 8, -1);  permute_6 = None
+                view_7 = getitem_5.view(1, 1, 2, 8, 4);  getitem_5 = None
+                view_8 = view_7.view(1, 1, 2, 1, 8, 4);  view_7 = None
+                permute_7 = view_8.permute(0, 2, 1, 4, 3, 5);  view_8 = None
+                reshape_7 = permute_7.reshape(1, 2, 8, -1);  permute_7 = None
+                view_9 = getitem_6.view(1, 1, 2, 8, 4);  getitem_6 = None
+                view_10 = view_9.view(1, 1, 2, 1, 8, 4);  view_9 = None
+                permute_8 = view_10.permute(0, 2, 1, 4, 3, 5);  view_10 = None
+                reshape_8 = permute_8.reshape(1, 2, 8, -1);  permute_8 = None
+                to = reshape_6.to(torch.float32);  reshape_6 = None
+                to_1 = reshape_7.to(torch.float32);  reshape_7 = None
+                to_2 = reshape_8.to(torch.float32);  reshape_8 = None
+                return (to, to_1, to_2)
 """
 
 
@@ -283,7 +303,7 @@ def test_key_padding_mask_becomes_bias_input():
     assert len(site.args) == 6  # fwd, bwd, q, k, v, bias
     bias = site.args[5]
     assert bias.meta["ring_rewrite"]["role"] == "mask"
-    fwd = getattr(gm, site.args[0].target)
+    fwd = getattr(gm, site.args[0].target).body
     assert all(n.args[3] is not None for n in calls(fwd, ATTN))
 
 
@@ -298,3 +318,32 @@ def test_chained_sites_both_rewritten():
     out = torch.compile(chained, backend=be, fullgraph=True)(q, k, v)
     assert [r.rewritten for r in be.records] == [True, True]
     torch.testing.assert_close(out, chained(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_sites_with_one_plan_share_one_body():
+    """Note [One body per plan]: layers with the same plan and input strides call one traced
+    body, which AOT and inductor compile once; the diff still counts every site's own nodes."""
+
+    def four_sites(q, k, v):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b = F.scaled_dot_product_attention(a * 2, k, v, is_causal=True)  # same plan: shared
+        short = [x[:, :, :8] for x in (b, k, v)]  # N = 8: another plan
+        c = F.scaled_dot_product_attention(*short, is_causal=True)
+        strided = (b * 2).transpose(2, 3).contiguous().transpose(2, 3)  # other strides
+        return c, F.scaled_dot_product_attention(strided, k, v, is_causal=True)
+
+    cap = capture(four_sites, *qkv(hkv=4), segment_lengths=[8, 16], dilation_rates=[1, 2])
+    (gm,) = cap.after
+    assert_rewritten(cap, 4)
+    for which in ("fwd", "bwd"):
+        bodies = [site_body(gm, i, which) for i in range(4)]
+        assert bodies[0] is bodies[1] and len({id(b) for b in bodies}) == 3
+        identifiers = [
+            n.args[1]
+            for i in range(4)
+            for n in calls(getattr(gm, f"ring_rewrite_{which}_{i}"), torch.ops.higher_order.invoke_subgraph)
+        ]
+        assert identifiers[0] == identifiers[1] and len(set(identifiers)) == 3
+    summaries = cap.diff().sites
+    assert [s.attention for s in summaries] == [(2, 2)] * 4
+    assert summaries[0].added_by_role == summaries[1].added_by_role

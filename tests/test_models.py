@@ -231,16 +231,19 @@ def test_module_eval_no_grad_dilated_matches_reference(kind, norm_first):
 N_RING = 64
 
 
-def _model_and_reference(kind: str, config: dict | None):
+def _model_and_reference(kind: str, config: dict | None, layers: int = 1):
     """Same seed on every rank: ``(model, twin, run)``, the single-process reference being
-    ``run(x)`` with gradients in ``twin``."""
+    ``run(x)`` with gradients in ``twin``; ``layers`` GPT blocks make a stack."""
     torch.manual_seed(0)
     model = GPTBlock() if kind == "gpt" else encoder_layer().train()
+    if layers > 1:
+        model = nn.Sequential(model, *(GPTBlock() for _ in range(layers - 1)))
     if config is None:  # exact attention: the eager float32 model
         twin = copy.deepcopy(model)
         return model, twin, twin
     if kind == "gpt":
-        twin = reference_gpt(model, config)
+        blocks = [reference_gpt(block, config) for block in (model if layers > 1 else [model])]
+        twin = nn.Sequential(*blocks) if layers > 1 else blocks[0]
         return model, twin, twin
     twin = copy.deepcopy(model).double()
     return model, twin, lambda x: reference_layer(twin, x, config)
@@ -274,7 +277,8 @@ def _sharded(rank, world, configs):
     for config in configs:
         torch._dynamo.reset()
         counters.clear()
-        model, twin, reference = _model_and_reference("gpt", config)
+        # Two blocks: their sites share one traced body (Note [One body per plan]).
+        model, twin, reference = _model_and_reference("gpt", config, layers=2)
         x_full, cotangent_full = torch.randn(B, N_RING, E), torch.randn(B, N_RING, E)
         x_ref = x_full.to(next(twin.parameters()).dtype, copy=True).requires_grad_()
         expected = reference(x_ref)
@@ -283,7 +287,7 @@ def _sharded(rank, world, configs):
 
         x = ring_rewrite.shard(x_full, 1).clone().requires_grad_()
         out = _compile(model, {**(config or {}), "sharding": "sharded"})(x)
-        assert counters["ring_rewrite"]["rewritten"] == 1, (rank, config)
+        assert counters["ring_rewrite"]["rewritten"] == 2, (rank, config)
         assert out.shape == (B, N_RING // world, E)
         out.backward(cotangent)
         errors = {"out": rel_err(out, ring_rewrite.shard(expected.detach(), 1))}
@@ -294,5 +298,5 @@ def _sharded(rank, world, configs):
         assert max(errors.values()) < BOUND, (rank, config, errors)
 
 
-def test_sharded_gpt_block_matches_single_process():
+def test_sharded_gpt_blocks_match_single_process():
     run_ranks(2, _sharded, [None, RING_DILATED])

@@ -131,6 +131,10 @@ def _mixed_gathers(rank, world):
     assert out.tolist() == [[0.0] * 3, [1.0] * 3]
     with pytest.raises(RuntimeError, match="mixed transfers: tags \\[7, 8\\]"):
         torch.ops.ring_rewrite.all_gather_seq(x, torch.zeros(1), group, world, 7 + rank)
+    # The same tag in another site is another transfer.
+    site = torch.full((1,), float(rank))
+    with pytest.raises(RuntimeError, match=f"mixed transfers: tags \\[7, {(1 << 24) + 7}\\]"):
+        torch.ops.ring_rewrite.all_gather_seq(x, site, group, world, 7)
 
 
 def test_gathers_in_different_orders_fail_loudly():
@@ -156,21 +160,23 @@ def test_replicated_mode_refuses_different_sequences_per_rank():
 
 
 def _shift(rank, world):
-    from ring_rewrite import p2p  # noqa: F401  (registers the ops)
+    from ring_rewrite import p2p
 
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     x, w = torch.full((4,), float(rank + 1)), torch.full((2, 3), -float(rank))
-    # Two transfers in flight at once, finished in the other order (the backward's dK/dV do so).
-    token = ops.ring_shift_start([x], torch.zeros(1), group, nxt, prv, 11)
-    token = ops.ring_shift_start([x, w], token, group, prv, nxt, 12)
-    (b, c), token = (lambda got: (got[:2], got[2]))(ops.ring_shift_wait([x, w], token, 12))
-    (a,), token = (lambda got: (got[:1], got[1]))(ops.ring_shift_wait([x], token, 11))
+    # Two transfers in flight at once under the same tag in two sites (the token carries the
+    # site), finished in the other order (the backward's dK/dV do so).
+    site3, site4 = p2p.site_token(3), p2p.site_token(4)
+    site3 = ops.ring_shift_start([x], site3, group, nxt, prv, 11)
+    site4 = ops.ring_shift_start([x, w], site4, group, prv, nxt, 11)
+    (b, c), site4 = (lambda got: (got[:2], got[2]))(ops.ring_shift_wait([x, w], site4, 11))
+    (a,), site3 = (lambda got: (got[:1], got[1]))(ops.ring_shift_wait([x], site3, 11))
     assert a.tolist() == [float(prv + 1)] * 4 and b.tolist() == [float(nxt + 1)] * 4
-    assert c.tolist() == [[-float(nxt)] * 3] * 2 and token.item() == 4
-    with pytest.raises(RuntimeError, match="no transfer 11 is pending"):
-        ops.ring_shift_wait([x], token, 11)
+    assert c.tolist() == [[-float(nxt)] * 3] * 2 and (site3.item(), site4.item()) == (3, 4)
+    with pytest.raises(RuntimeError, match="no transfer 11 of site 3 is pending"):
+        ops.ring_shift_wait([x], site3, 11)
 
 
 def test_shift_start_and_wait_pair_by_tag():

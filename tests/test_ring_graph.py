@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ring_rewrite.testing import Capture, Transfer, assert_same_p2p_schedule, capture_ranks
+from ring_rewrite.testing import Capture, Transfer, assert_same_p2p_schedule, capture_ranks, site_body
 
 WORLD = 4
 
@@ -86,7 +86,7 @@ def test_each_transfer_starts_before_the_compute_it_overlaps_and_ends_after(per_
     start, wait = torch.ops.ring_rewrite.ring_shift_start, torch.ops.ring_rewrite.ring_shift_wait
     for c in per_rank:
         (gm,) = c.after
-        fwd = gm.ring_rewrite_fwd_0
+        fwd = site_body(gm, 0)
         first, last = {}, {}  # (branch, step, what) -> node index
         for index, node in enumerate(fwd.graph.nodes):
             tag = node.meta.get("ring_rewrite", {})
@@ -130,7 +130,7 @@ def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeyp
         last = len(branch.ring) - 1
         last_hops = {record.plan.tag(0, attention._DKV, last, chunk) for chunk in range(chunks)}
         blocks_since, overlapped = {}, []  # last hop started -> backward blocks since its start
-        for node in gm.ring_rewrite_bwd_0.graph.nodes:
+        for node in site_body(gm, 0, "bwd").graph.nodes:
             op = getattr(node.target, "overloadpacket", node.target)
             if op is start and node.args[-1] in last_hops:
                 blocks_since[node.args[-1]] = 0

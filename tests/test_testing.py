@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -82,12 +83,14 @@ def test_graph_diff_counts_removed_and_added_nodes():
     assert diff.removed_by_op == {"scaled_dot_product_attention": 1}
     assert [n.location for n in diff.removed] == [f"test_testing.py:{_line_of('# site A')}"]
     added = diff.added_by_op
-    assert added["autograd_function_apply"] == 1 and added["get_attr"] == 2
+    # The site node, its two subgraphs, and in each the call of its body.
+    assert added["autograd_function_apply"] == 1 and added["invoke_subgraph"] == 2
+    assert added["get_attr"] == 4
     assert added["ring_rewrite.block_attention"] == 2  # one per branch
     assert added["ring_rewrite.block_attention_backward"] == 2
     assert diff.ops_changed["scaled_dot_product_attention"] == (2, 1)
     roles = diff.added_by_role
-    assert roles["site"] == 3  # the site node and its two subgraph attributes
+    assert [n.role for n in diff.added if n.module == ""] == ["site"] * 3
     assert {"dilate", "attention", "undilate", "merge", "attention_backward"} <= set(roles)
     rewritten, alone = diff.sites
     assert (rewritten.site, rewritten.rewritten, rewritten.attention) == (0, True, (2, 2))
@@ -153,7 +156,9 @@ def test_capture_aot_forward_and_backward_graphs():
     q, k, v = (torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3))
     cap = capture(causal, q, k, v, aot=True, backward=True, **CONFIG)
     (fw,), (bw,) = cap.forward, cap.backward
-    ops = lambda gm: {testing.op_label(n) for n in gm.graph.nodes}  # noqa: E731
+    ops = lambda gm: {  # noqa: E731  (the site bodies are invoke_subgraph modules)
+        testing.op_label(n) for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+    }
     assert "ring_rewrite.block_attention" in ops(fw) and "ring_rewrite.block_attention_backward" in ops(bw)
     assert q.grad is not None
     with pytest.raises(ValueError, match="no output of the model requires grad"):
@@ -257,7 +262,7 @@ def test_expected_graph_file_written_on_accept_then_checked(tmp_path, monkeypatc
         "RING_REWRITE_ACCEPT=1"
     )
     assert f"--- {path}\n+++ actual\n@@" in message
-    assert "\n+            block_attention_2 = torch.ops.ring_rewrite.block_attention(" in message
+    assert "\n+                block_attention_2 = torch.ops.ring_rewrite.block_attention(" in message
     monkeypatch.setenv(ACCEPT_ENV, "1")
     assert_expected_graph(other, path)
     assert path.read_text() == graph_text(other)
