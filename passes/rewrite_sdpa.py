@@ -7,7 +7,7 @@ Before::
 After::
 
     bias = <mask to additive key bias (B|1, Hq|1, N)>                  # role "mask", if m
-    token = ring_rewrite.p2p.site_token(0)                              # role "p2p", if P > 1
+    token = torch.ops.ring_rewrite.site_token(0)                        # role "p2p", if P > 1
     out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias][, token])
 
 ``ring_rewrite_fwd_0`` calls ``invoke_subgraph`` on the site's forward body: per branch the
@@ -45,7 +45,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from ring_rewrite._roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import check_agreement, resolve_group, site_token
+from ring_rewrite.p2p import check_agreement, resolve_group
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
 from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, unsupported_reason
@@ -189,7 +189,7 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int
             args.append(bias)
             names.append("mask")
         if plan.world > 1:
-            token = graph.call_function(site_token, (index,))
+            token = graph.call_function(torch.ops.ring_rewrite.site_token.default, (index,))
             stamp(token, index, stack, role="p2p")
             args.append(token)
             names.append("token")

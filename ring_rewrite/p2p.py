@@ -44,10 +44,19 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+@torch.library.custom_op("ring_rewrite::site_token", mutates_args=())
 def site_token(site: int) -> torch.Tensor:
     """The first token of a site's chain. Tokens order the transfers (each op takes one and
-    returns the next) and carry the site index as their value, for the tags."""
+    returns the next) and carry the site index as their value, for the tags.
+
+    An op, not ``torch.full``: inductor would build one kernel per site index.
+    """
     return torch.full((1,), float(site))
+
+
+@site_token.register_fake
+def _(site):
+    return torch.empty((1,))
 
 
 _SITE_BITS = 24  # a transfer's tag within its site is below 2**24 (SitePlan.tag)
