@@ -132,9 +132,16 @@ def _is_key_padding(ms: tuple[int, ...], qs: tuple[int, ...], n: int) -> bool:
 
 def _static_shape(t) -> tuple[int, ...] | None:
     """Sizes as ints; a symbolic size is specialised (guarded) to its current value."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    return tuple(guard_int(s) if isinstance(s, torch.SymInt) else int(s) for s in t.shape)
+    return None if not isinstance(t, torch.Tensor) else _ints(t.shape)
+
+
+def static_strides(t) -> tuple[int, ...] | None:
+    """Strides as ints, specialised like the sizes."""
+    return None if not isinstance(t, torch.Tensor) else _ints(t.stride())
+
+
+def _ints(values) -> tuple[int, ...]:
+    return tuple(guard_int(v) if isinstance(v, torch.SymInt) else int(v) for v in values)
 
 
 def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:

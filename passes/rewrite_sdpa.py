@@ -40,7 +40,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
-from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ring_rewrite._roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
@@ -48,7 +47,7 @@ from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.p2p import check_agreement, resolve_group
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
-from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, unsupported_reason
+from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, static_strides, unsupported_reason
 
 __all__ = ["rewrite_sdpa", "SiteRecord", "UnsupportedSiteError"]
 
@@ -81,6 +80,7 @@ def rewrite_sdpa(
     group, world, rank = resolve_group(config.group)
     sharded = config.sharding == "sharded" and world > 1
     rewritten = 0
+    bodies: dict = {}  # traced site bodies by plan (Note [One body per plan])
     for node in [site.node for site in find_sdpa_sites(gm)]:
         site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
         index = len(records)
@@ -105,7 +105,7 @@ def rewrite_sdpa(
             counters["ring_rewrite"]["skipped"] += 1
             records.append(SiteRecord(index, site.location, "sdpa", site.shapes, reason=reason))
             continue
-        _rewrite_site(gm, site, plan, index)
+        _rewrite_site(gm, site, plan, index, bodies)
         counters["ring_rewrite"]["rewritten"] += 1
         records.append(SiteRecord(index, site.location, "sdpa", site.shapes, plan=plan))
         rewritten += 1
@@ -167,7 +167,7 @@ def _key_bias(
     return mask.to(plan.dtype)
 
 
-def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int) -> None:
+def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int, bodies: dict) -> None:
     graph, node = gm.graph, site.node
     stack = node.meta.get("stack_trace")
     args = [site.query, site.key, site.value]
@@ -195,8 +195,8 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int
             names.append("token")
         saved = ["q", "k", "v", "out", "lse", *names[3:]]
         inputs = [site.query, site.key, site.value, site.attn_mask]
-        strides = tuple(None if x is None else _strides(site.meta(x)) for x in inputs)
-        fwd, bwd = _bodies(gm, plan, names, saved, strides, index, stack)
+        strides = tuple(static_strides(site.meta(x)) for x in inputs)
+        fwd, bwd = _bodies(bodies, plan, names, saved, strides, index, stack)
         fwd_name, bwd_name = f"ring_rewrite_fwd_{index}", f"ring_rewrite_bwd_{index}"
         gm.add_submodule(fwd_name, fwd)
         gm.add_submodule(bwd_name, bwd)
@@ -260,17 +260,9 @@ def _trace_body(fn, plan: SitePlan, names: list[str], index: int, stack: str | N
     return _Body(module, f"ring_rewrite_{fn.__name__}_{index}", tuple(names), result, len(computed))
 
 
-def _strides(value: Any) -> tuple[int, ...] | None:
-    """Strides as ints; symbolic ones are specialised, as the sizes are (``find_sdpa``)."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    return tuple(guard_int(s) if isinstance(s, torch.SymInt) else int(s) for s in value.stride())
-
-
-def _bodies(gm, plan, names, saved, strides, index, stack) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """The site's forward and backward graphs: calls of the bodies shared by every site with the
-    same plan and input strides (Note [One body per plan])."""
-    shared = gm.meta.setdefault("ring_rewrite_bodies", {})
+def _bodies(shared, plan, names, saved, strides, index, stack) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The site's forward and backward graphs: calls of the bodies in ``shared`` (traced here
+    if new), shared by every site with the same plan and input strides (Note [One body per plan])."""
     # NOTE: AOT traces a body, and inductor compiles it, for the strides of its first call.
     key = (dataclasses.replace(plan, site=0), tuple(names), strides)
     if key not in shared:
