@@ -193,9 +193,10 @@ def _shift_start(plan: SitePlan, branch: BranchPlan, xs: list[torch.Tensor], tok
     )
 
 
-def _shift_wait(xs: list[torch.Tensor], token, tag: int):
-    """Finish the transfer of ``xs`` started under ``tag``: ``(received, next token)``."""
-    got = torch.ops.ring_rewrite.ring_shift_wait(xs, token, tag)
+def _shift_wait(xs: list[torch.Tensor], token, tag: int, after: list[torch.Tensor]):
+    """Finish the transfer of ``xs`` started under ``tag``, once ``after`` (the compute it
+    overlaps) is done: ``(received, next token)``."""
+    got = torch.ops.ring_rewrite.ring_shift_wait(xs, token, tag, after)
     return [got[j] for j in range(len(xs))], got[len(xs)]
 
 
@@ -222,7 +223,11 @@ def _chunks(plan: SitePlan, branch: BranchPlan) -> list[tuple[slice, slice]]:
 
 
 def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
-    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+    """Head chunks ``(B, h, ...)`` side by side. NOTE: concatenated as 3-D: inductor lays out a
+    4-D concatenation channels-last when an input is, and a one-head chunk is both."""
+    if len(xs) == 1:
+        return xs[0]
+    return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
 
 
 def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
@@ -252,6 +257,7 @@ def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
             # NOTE: the next K/V start moving before this step's compute and arrive after it.
             with role("p2p", branch=i, step=step):
                 token = _shift_start(plan, branch, kv, token, plan.tag(i, _KV, step, c))
+        computed = []
         for blk in blocks:
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
@@ -261,6 +267,7 @@ def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
                     plan.scale,
                     blk.causal,
                 )
+            computed += [out, lse]
             with role("merge", branch=i, step=step):
                 outs = _split_rows(out, layout, blk.q0, blk.q1)
                 lses = _split_rows(lse, layout, blk.q0, blk.q1)
@@ -273,7 +280,7 @@ def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
                         )
         if moves:
             with role("p2p", branch=i, step=step):
-                kv, token = _shift_wait(kv, token, plan.tag(i, _KV, step, c))
+                kv, token = _shift_wait(kv, token, plan.tag(i, _KV, step, c), computed)
     out = _join_parts(acc_out, layout)
     lse = _join_parts(acc_lse, layout)
     return out, lse, token
@@ -342,7 +349,7 @@ def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
         if landed is not None:
             dkvs.append(landed)
     with role("p2p", branch=i, step=len(branch.ring) - 1):
-        landed, token = _shift_wait(landing[0], token, landing[1])
+        landed, token = _shift_wait(landing[0], token, landing[1], [])
     dkvs.append(landed)
     return _cat_heads(dqs), *(_cat_heads(list(g)) for g in zip(*dkvs)), token
 
@@ -364,6 +371,7 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                 token = _shift_start(plan, branch, kv, token, plan.tag(i, _KV_BACK, step, c))
         dk_parts: list = [None] * layout.nseg
         dv_parts: list = [None] * layout.nseg
+        computed = []
         for blk in blocks:
             with role("attention_backward", branch=i, step=step):
                 dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
@@ -376,6 +384,7 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                     plan.scale,
                     blk.causal,
                 )
+            computed += [dq, dk, dv]
             with role("merge", branch=i, step=step):
                 for parts, x, (p0, p1) in (
                     (dq_parts, dq, (blk.q0, blk.q1)),
@@ -386,13 +395,13 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                         parts[part] = _acc(parts[part], piece.float())
         if landing is not None:
             with role("p2p", branch=i, step=last):
-                landed, token = _shift_wait(landing[0], token, landing[1])
+                landed, token = _shift_wait(landing[0], token, landing[1], computed)
             landing = None
         if step > 0:
             # The accumulators sent last step (they moved during this step's compute) belong to
             # the K/V held now.
             with role("p2p", branch=i, step=step):
-                dkv, token = _shift_wait(dkv, token, plan.tag(i, _DKV, step - 1, c))
+                dkv, token = _shift_wait(dkv, token, plan.tag(i, _DKV, step - 1, c), computed)
         if blocks:
             with role("merge", branch=i, step=step):
                 here = [
@@ -405,7 +414,7 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
             token = _shift_start(plan, branch, dkv, token, plan.tag(i, _DKV, step, c))
         if step < last:
             with role("p2p", branch=i, step=step):
-                kv, token = _shift_wait(kv, token, plan.tag(i, _KV_BACK, step, c))
+                kv, token = _shift_wait(kv, token, plan.tag(i, _KV_BACK, step, c), computed)
     return _join_parts(dq_parts, layout), landed, (dkv, plan.tag(i, _DKV, last, c)), token
 
 

@@ -14,6 +14,10 @@ ranks, and equal-shaped messages then pair up wrong without an error. So every o
   the chain). The backward's transfers all sit in the site's backward body, one
   ``invoke_subgraph`` call that takes ``dout``: AOT's partitioner cannot hoist one into the
   forward (where it would save every rotated K/V block),
+* waits after the compute it overlaps, by data: ``ring_shift_wait`` takes that compute's results
+  (``after``) and ignores them. The chain orders transfers, not the compute between them, and
+  inductor's peak-memory reordering moved every dK/dV wait of the backward ahead of the block it
+  overlaps (a wait frees the buffers it sent), leaving each of those transfers bare,
 * sends each message under its own tag: the transfer's place in its site (branch, direction,
   head chunk, step) plus the site, which the token carries as its value (``site_token``). A
   schedule that still went wrong fails loudly (a timeout naming the op) instead of pairing the
@@ -109,10 +113,13 @@ def _(xs, token, group_name, send_to, recv_from, tag):
 
 
 @torch.library.custom_op("ring_rewrite::ring_shift_wait", mutates_args=())
-def ring_shift_wait(xs: list[torch.Tensor], token: torch.Tensor, tag: int) -> list[torch.Tensor]:
+def ring_shift_wait(
+    xs: list[torch.Tensor], token: torch.Tensor, tag: int, after: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """Finish the transfer ``ring_shift_start`` began under ``tag``: the received tensors, then
     the next token. ``xs`` are the tensors it sent (their shapes for the fake kernel; taking them
-    keeps them alive in the graph until the transfer is done)."""
+    keeps them alive in the graph until the transfer is done). ``after`` is the compute the
+    transfer overlaps, unread: it orders the wait after that compute."""
     tag, name = _message_tag(token, tag)
     if tag not in _PENDING:
         raise RuntimeError(
@@ -125,7 +132,7 @@ def ring_shift_wait(xs: list[torch.Tensor], token: torch.Tensor, tag: int) -> li
 
 
 @ring_shift_wait.register_fake
-def _(xs, token, tag):
+def _(xs, token, tag, after):
     return [*(x.new_empty(x.shape) for x in xs), token.new_empty(token.shape)]
 
 

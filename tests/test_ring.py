@@ -171,12 +171,12 @@ def _shift(rank, world):
     site3, site4 = p2p.site_token(3), p2p.site_token(4)
     site3 = ops.ring_shift_start([x], site3, group, nxt, prv, 11)
     site4 = ops.ring_shift_start([x, w], site4, group, prv, nxt, 11)
-    (b, c), site4 = (lambda got: (got[:2], got[2]))(ops.ring_shift_wait([x, w], site4, 11))
-    (a,), site3 = (lambda got: (got[:1], got[1]))(ops.ring_shift_wait([x], site3, 11))
+    (b, c), site4 = (lambda got: (got[:2], got[2]))(ops.ring_shift_wait([x, w], site4, 11, []))
+    (a,), site3 = (lambda got: (got[:1], got[1]))(ops.ring_shift_wait([x], site3, 11, [x]))
     assert a.tolist() == [float(prv + 1)] * 4 and b.tolist() == [float(nxt + 1)] * 4
     assert c.tolist() == [[-float(nxt)] * 3] * 2 and (site3.item(), site4.item()) == (3, 4)
     with pytest.raises(RuntimeError, match="no transfer 11 of site 3 is pending"):
-        ops.ring_shift_wait([x], site3, 11)
+        ops.ring_shift_wait([x], site3, 11, [])
 
 
 def test_shift_start_and_wait_pair_by_tag():

@@ -8,10 +8,13 @@ before the compute it overlaps.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import ring_rewrite
 from ring_rewrite.testing import Capture, Transfer, assert_same_p2p_schedule, capture_ranks, site_body
 
 WORLD = 4
@@ -136,6 +139,60 @@ def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeyp
                 blocks_since[node.args[-1]] = 0
             elif op is backward_block:
                 blocks_since = {tag: count + 1 for tag, count in blocks_since.items()}
-            elif op is wait and node.args[-1] in last_hops:
-                overlapped.append(blocks_since.pop(node.args[-1]) > 0)
+            elif op is wait and node.args[2] in last_hops:
+                overlapped.append(blocks_since.pop(node.args[2]) > 0)
         assert overlapped == [True] * (chunks - 1) + [False]
+
+
+_START = re.compile(r"torch\.ops\.ring_rewrite\.ring_shift_start\.default\(.*, (\d+)\)$")
+_WAIT = re.compile(r"torch\.ops\.ring_rewrite\.ring_shift_wait\.default\(.*, (\d+), \[[^\[\]]*\]\)$")
+_BLOCK = re.compile(r"torch\.ops\.ring_rewrite\.block_attention(_backward)?\.default\(")
+_ALLOC = re.compile(r"empty_strided_cpu\(\(([\d, ]*)\), \(([\d, ]*)\)")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers(monkeypatch):
+    """What runs, not only the traced body: in inductor's generated code every transfer has block
+    compute between its start and its wait, forward and backward, except the last chunk's last
+    hop home. (Its peak-memory reordering moved each dK/dV wait ahead of the block it overlaps
+    until the waits took that block's results: Note [Ordering the ring's messages].) And every
+    buffer is contiguous: one-head chunks once made it lay the output out channels-last and copy
+    it back (``attention._cat_heads``)."""
+    import torch.distributed as dist
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ring_rewrite import attention
+
+    monkeypatch.setattr(attention, "RING_CHUNK_BYTES", 1)  # two head chunks
+    q, k, v = (torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3))
+    attend = torch.compile(
+        F.scaled_dot_product_attention,
+        backend=ring_rewrite.backend(sharding="sharded", compiler="inductor"),
+        fullgraph=True,
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with fresh_cache():
+            _, codes = run_and_get_code(lambda: attend(q, k, v).sum().backward())
+    finally:
+        dist.destroy_process_group()
+    overlapped = []  # per transfer, in the order of the waits: was a block run inside it?
+    for code in codes:
+        blocks_since = {}  # started transfer -> blocks run since its start
+        for line in code.splitlines():
+            if start := _START.search(line):
+                blocks_since[start.group(1)] = 0
+            elif wait := _WAIT.search(line):
+                overlapped.append(blocks_since.pop(wait.group(1)) > 0)
+            elif _BLOCK.search(line):
+                blocks_since = {tag: count + 1 for tag, count in blocks_since.items()}
+            for size, stride in _ALLOC.findall(line):
+                size, stride = _ints(size), _ints(stride)
+                assert stride == torch.empty(size).stride(), line
+        assert not blocks_since
+    # Forward: one K/V hop per chunk. Backward: per chunk one K/V hop and two dK/dV hops.
+    assert overlapped == [True] * (2 + 6 - 1) + [False]
