@@ -15,7 +15,9 @@ and log-sum-exp, the fused attention backward run per block with ``(dO, O, L)`` 
 ``dS = exp(s - L) * (dO·v - rowsum(dO * O))``: exactly the block's share of the gradient of the
 whole function, branch merge weights included. So backward saves only the local ``q, k, v, O, L``
 (O(N/P)), re-dilates them per branch and sends K/V around the ring again, with their dK/dV
-accumulators travelling alongside back to their owner (as ring-flash-attention does).
+accumulators travelling one step behind back to their owner. An accumulator starts at the first
+rank that holds borrowed K/V; the owner keeps its own share: ``G - 1`` dK/dV messages per ring of
+``G`` ranks, where ring-flash-attention and torch's ring send ``G`` (at ``G = 2``, half).
 
 Note [Head chunks]
 ~~~~~~~~~~~~~~~~~~
@@ -338,7 +340,7 @@ def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
     (``landing``); only the last chunk's last hop is waited for with nothing to overlap.
     """
     dqs, dkvs = [], []
-    landing = None  # the previous chunk's dK/dV on their way home, and the tag they travel under
+    landing = None  # the previous chunk's dK/dV on their way home (_land)
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
         dq, landed, landing, token = _ring_backward_chunk(
@@ -348,19 +350,35 @@ def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
         dqs.append(dq)
         if landed is not None:
             dkvs.append(landed)
-    with role("p2p", branch=i, step=len(branch.ring) - 1):
-        landed, token = _shift_wait(landing[0], token, landing[1], [])
+    landed, token = _land(i, branch, landing, token, [])
     dkvs.append(landed)
     return _cat_heads(dqs), *(_cat_heads(list(g)) for g in zip(*dkvs)), token
+
+
+def _land(i, branch, landing, token, after):
+    """A chunk's dk and dv at their owner: what its own K/V gave at step 0, which stayed home,
+    plus the accumulator of every other rank's share, arriving on its last hop. ``landing`` is
+    ``(accumulator sent, its tag, the step-0 share)``."""
+    sent, tag, home = landing
+    with role("p2p", branch=i, step=len(branch.ring) - 1):
+        got, token = _shift_wait(sent, token, tag, after)
+    with role("merge", branch=i):
+        return [a + b for a, b in zip(home, got)], token
 
 
 def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, landing, token):
     """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (which landed
     during this chunk's first step; None for the first chunk), and this chunk's dk and dv still
-    on their last hop home: ``(dq, landed, (dkv, tag), token)``."""
+    on their last hop home: ``(dq, landed, landing, token)`` (``_land``).
+
+    NOTE: dK/dV travel one step behind K/V, from the first rank that holds them on: the step-0
+    share of a rank's own K/V stays home, so an accumulator makes ``G - 1`` hops (the last one
+    home), not ``G`` (ring-flash-attention and torch's ring start it at the owner).
+    """
     layout = branch.layout
     hq, hkv = heads
     kv = [kd, vd]
+    home = None  # dK/dV of this rank's own K/V from step 0: they never leave
     dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
     landed = None
     dq_parts: list = [None] * layout.nseg
@@ -394,28 +412,30 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                     for part, piece in zip(range(p0, p1), _split_rows(x, layout, p0, p1)):
                         parts[part] = _acc(parts[part], piece.float())
         if landing is not None:
-            with role("p2p", branch=i, step=last):
-                landed, token = _shift_wait(landing[0], token, landing[1], computed)
+            landed, token = _land(i, branch, landing, token, computed)
             landing = None
-        if step > 0:
+        if step > 1:
             # The accumulators sent last step (they moved during this step's compute) belong to
             # the K/V held now.
             with role("p2p", branch=i, step=step):
                 dkv, token = _shift_wait(dkv, token, plan.tag(i, _DKV, step - 1, c), computed)
-        if blocks:
+        if blocks or step <= 1:
             with role("merge", branch=i, step=step):
                 here = [
                     _join_parts([_or_zeros(p, layout, hkv, channels, kd) for p in parts], layout)
                     for parts, channels in ((dk_parts, plan.d), (dv_parts, plan.dv))
                 ]
-                dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
-        # NOTE: dK/dV travel one step behind K/V and make one more hop: home.
-        with role("p2p", branch=i, step=step):
-            token = _shift_start(plan, branch, dkv, token, plan.tag(i, _DKV, step, c))
+                if step == 0:
+                    home = here
+                else:
+                    dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
+        if step > 0:
+            with role("p2p", branch=i, step=step):
+                token = _shift_start(plan, branch, dkv, token, plan.tag(i, _DKV, step, c))
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv, token = _shift_wait(kv, token, plan.tag(i, _KV_BACK, step, c), computed)
-    return _join_parts(dq_parts, layout), landed, (dkv, plan.tag(i, _DKV, last, c)), token
+    return _join_parts(dq_parts, layout), landed, (dkv, plan.tag(i, _DKV, last, c), home), token
 
 
 def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):

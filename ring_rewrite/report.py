@@ -58,7 +58,7 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
         rows = layout.batch * layout.nseg * layout.kv_heads * layout.m * (plan.d + plan.dv)
         hops = len(branch.ring) - 1
         fwd += hops * rows * item
-        bwd += hops * rows * item + (hops + 1) * rows * 4  # K/V again, then float32 dK/dV
+        bwd += hops * rows * item + hops * rows * 4  # K/V again, then float32 dK/dV
     if plan.gathers:
         local = plan.batch * plan.n_local
         tag = 8

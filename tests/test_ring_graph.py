@@ -70,8 +70,9 @@ def test_transfer_counts_follow_the_plan(per_rank):
         for i, branch in enumerate(plan.branches):
             size, chunks = len(branch.ring), plan.head_chunks(branch)
             assert sum(_branch_of(t.tag) == i for t in fw) == (size - 1) * chunks
-            # K/V go round again (size - 1 hops); dK/dV make one more hop, home. Local: none.
-            expected = 0 if branch.is_local else ((size - 1) + size) * chunks
+            # K/V go round again (size - 1 hops); dK/dV as many, the last one home (the owner's
+            # own share never leaves). Local: none.
+            expected = 0 if branch.is_local else 2 * (size - 1) * chunks
             assert sum(_branch_of(t.tag) == i for t in bw) == expected
 
 
@@ -194,5 +195,5 @@ def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers
                 size, stride = _ints(size), _ints(stride)
                 assert stride == torch.empty(size).stride(), line
         assert not blocks_since
-    # Forward: one K/V hop per chunk. Backward: per chunk one K/V hop and two dK/dV hops.
-    assert overlapped == [True] * (2 + 6 - 1) + [False]
+    # Forward: one K/V hop per chunk. Backward: per chunk one K/V hop and one dK/dV hop, home.
+    assert overlapped == [True] * (2 + 4 - 1) + [False]
