@@ -74,7 +74,8 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
 
     ``saved``: what forward keeps for backward (merged out and float32 lse; q, k, v are the
     inputs'). ``peak``: ``saved`` plus the gradients handed back, plus the largest branch's
-    dilated copies (rate > 1) and ring buffers (K/V arriving, float32 dK/dV held and arriving).
+    dilated copies (rate > 1) and ring buffers (K/V arriving; float32 dK/dV: the owner's step-0
+    share, an accumulator sent, one arriving).
     Kernel scratch is left out: measured peaks run some 20 % higher (benchmarks/README.md).
     """
     item, compute = _itemsize(plan.dtype), _itemsize(plan.compute_dtype)
@@ -88,7 +89,7 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
         kv = plan.batch * layout.kv_heads * layout.padded // layout.r * (plan.d + plan.dv)
         copies = q_rows * (2 * plan.d + plan.dv) * compute + kv * item if layout.r > 1 else 0
         # One head chunk's ring buffers at a time (Note [Head chunks]).
-        in_flight = 0 if branch.is_local else (kv * item + 2 * kv * 4) // plan.head_chunks(branch)
+        in_flight = 0 if branch.is_local else (kv * item + 3 * kv * 4) // plan.head_chunks(branch)
         branch_peak = max(branch_peak, copies + in_flight)
     return {"saved": saved, "peak": saved + grads + branch_peak}
 
