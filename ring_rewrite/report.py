@@ -76,7 +76,7 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
     inputs'). ``peak``: ``saved`` plus the gradients handed back, plus the largest branch's
     dilated copies (rate > 1) and ring buffers (K/V arriving; float32 dK/dV: the owner's step-0
     share, an accumulator sent, one arriving).
-    Kernel scratch is left out: measured peaks run some 20 % higher (benchmarks/README.md).
+    Kernel scratch is left out: measured peaks run up to a third higher (benchmarks/README.md).
     """
     item, compute = _itemsize(plan.dtype), _itemsize(plan.compute_dtype)
     rows = plan.batch * plan.hq * plan.n_local
