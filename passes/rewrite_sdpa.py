@@ -44,7 +44,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 from ring_rewrite._roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import check_agreement, resolve_group
+from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
 from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, static_strides, unsupported_reason
@@ -126,6 +126,8 @@ def _agreement_key(record: SiteRecord) -> dict:
     key = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "rank"}
     key["branches"] = [(b.w, b.r, len(b.ring)) for b in plan.branches]
     key["dtype"] = str(plan.dtype)
+    # Fingerprints travel as extra messages: every rank must send them, or none.
+    key["RING_REWRITE_CHECK_TRANSFERS"] = checking_transfers()
     return key
 
 

@@ -42,14 +42,12 @@ import torch
 from ._roles import role
 from .layout import assemble, take_shard
 from .merge import merge_partials
+from .p2p import DKV, GATHER, KV, KV_BACK, Rotater, transfer_tag
 from .schedule import Block, BranchPlan, plan_branch
 
 __all__ = ["SitePlan", "site_forward", "site_backward"]
 
 _NEG_INF = float("-inf")
-# Transfer tags within a site: ((branch * 4 + direction) * 64 + chunk) * 1024 + step; the ops add
-# the site, which the token carries (Note [Ordering the ring's messages]).
-_KV, _KV_BACK, _DKV, _GATHER = range(4)
 # A ring branch runs its heads in chunks whose K/V message is at least this large (Note [Head
 # chunks]).
 RING_CHUNK_BYTES = 1 << 20
@@ -110,8 +108,9 @@ class SitePlan:
         """Replicated mode across ranks: take the local shard, re-assemble the full result."""
         return self.world > 1 and self.sharding == "replicated"
 
-    def tag(self, branch: int, direction: int, step: int, chunk: int = 0) -> int:
-        return ((branch * 4 + direction) * 64 + chunk) * 1024 + step
+    def tag(self, branch: int, kind: int, step: int, chunk: int = 0) -> int:
+        """A transfer's tag within the site (``p2p.transfer_tag``)."""
+        return transfer_tag(branch, kind, step, chunk)
 
     def head_chunks(self, branch: BranchPlan) -> int:
         """How many head chunks a ring branch runs in, one after another (Note [Head chunks]):
@@ -138,11 +137,9 @@ def _local(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
     return take_shard(x, 2, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
 
 
-def _gather(plan: SitePlan, x: torch.Tensor, token: torch.Tensor, tag: int, same=None):
-    stacked, token = torch.ops.ring_rewrite.all_gather_seq(
-        x, token, plan.group_name, plan.world, tag, same
-    )
-    return assemble(stacked, 2, plan.n_local, world=plan.world, layout=plan.layout), token
+def _gather(plan: SitePlan, ring: Rotater, x: torch.Tensor, tag: int, same=None):
+    stacked = ring.all_gather(x, plan.world, tag, same)
+    return assemble(stacked, 2, plan.n_local, world=plan.world, layout=plan.layout)
 
 
 def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torch.Tensor | None):
@@ -188,18 +185,9 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block, heads: 
     return rows
 
 
-def _shift_start(plan: SitePlan, branch: BranchPlan, xs: list[torch.Tensor], token, tag: int):
-    """Start sending ``xs`` one step along the branch's ring: the next token."""
-    return torch.ops.ring_rewrite.ring_shift_start(
-        xs, token, plan.group_name, branch.send_to, branch.recv_from, tag
-    )
-
-
-def _shift_wait(xs: list[torch.Tensor], token, tag: int, after: list[torch.Tensor]):
-    """Finish the transfer of ``xs`` started under ``tag``, once ``after`` (the compute it
-    overlaps) is done: ``(received, next token)``."""
-    got = torch.ops.ring_rewrite.ring_shift_wait(xs, token, tag, after)
-    return [got[j] for j in range(len(xs))], got[len(xs)]
+def _shift(ring: Rotater, branch: BranchPlan, xs: list[torch.Tensor], tag: int):
+    """Start sending ``xs`` one step along the branch's ring."""
+    return ring.start(xs, branch.send_to, branch.recv_from, tag)
 
 
 def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
@@ -232,21 +220,21 @@ def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
 
 
-def _ring_forward(plan, i, branch, qd, kd, vd, bias, token):
+def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias):
     """Out and lse of one ring branch, dilated, one head chunk after another."""
     outs, lses = [], []
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
-        out, lse, token = _ring_forward_chunk(
-            plan, i, c, branch, heads, qd[:, qh], kd[:, kh], vd[:, kh],
-            None if bias is None else bias[:, qh], token,
+        out, lse = _ring_forward_chunk(
+            plan, ring, i, c, branch, heads, qd[:, qh], kd[:, kh], vd[:, kh],
+            None if bias is None else bias[:, qh],
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
-    return _cat_heads(outs), _cat_heads(lses), token
+    return _cat_heads(outs), _cat_heads(lses)
 
 
-def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
+def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
     """Out and lse of one head chunk of a ring branch; K/V travel while each step computes."""
     layout = branch.layout
     hq, hkv = heads
@@ -258,7 +246,8 @@ def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
         if moves:
             # NOTE: the next K/V start moving before this step's compute and arrive after it.
             with role("p2p", branch=i, step=step):
-                token = _shift_start(plan, branch, kv, token, plan.tag(i, _KV, step, c))
+                flight = _shift(ring, branch, kv, plan.tag(i, KV, step, c))
+                kv = flight.sent  # the buffers in flight: the blocks read them too
         computed = []
         for blk in blocks:
             with role("attention", branch=i, step=step):
@@ -282,10 +271,10 @@ def _ring_forward_chunk(plan, i, c, branch, heads, qd, kd, vd, bias, token):
                         )
         if moves:
             with role("p2p", branch=i, step=step):
-                kv, token = _shift_wait(kv, token, plan.tag(i, _KV, step, c), computed)
+                kv = ring.wait(flight, computed)
     out = _join_parts(acc_out, layout)
     lse = _join_parts(acc_lse, layout)
-    return out, lse, token
+    return out, lse
 
 
 def _dilate(plan: SitePlan, layout, *xs, kv: bool = False, upcast: bool = True):
@@ -299,6 +288,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
     """``(q, k, v[, mask][, token]) -> (out, saved)``; ``mask`` is an additive key bias
     ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
     transfers (``p2p.site_token``)."""
+    ring = Rotater(plan.group_name, token)
     with role("shard"):
         ql, kl, vl = _local(plan, q), _local(plan, k), _local(plan, v)
     outs, lses = [], []
@@ -314,25 +304,25 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
                     qd, kd, vd, bias, plan.scale, plan.is_causal
                 )
         else:
-            od, lsed, token = _ring_forward(plan, i, branch, qd, kd, vd, bias, token)
+            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias)
         with role("undilate", branch=i):
             outs.append(layout.undilate_q(od))
             lses.append(layout.undilate_q(lsed.unsqueeze(-1), _NEG_INF).squeeze(-1))
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse] + [x for x in (mask, token) if x is not None]
+    saved = [q, k, v, out, lse] + [x for x in (mask, ring.token) if x is not None]
     if plan.gathers:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
-            out, token = _gather(plan, out, token, plan.tag(0, _GATHER, 0), _probe(plan, q))
+            out = _gather(plan, ring, out, plan.tag(0, GATHER, 0), _probe(plan, q))
     return out, saved
 
 
 # ---- backward ------------------------------------------------------------------------------
 
 
-def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
+def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias):
     """dq and, back at their owner, dk and dv of one ring branch (all dilated, float32), one
     head chunk after another.
 
@@ -343,33 +333,32 @@ def _ring_backward(plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token):
     landing = None  # the previous chunk's dK/dV on their way home (_land)
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
-        dq, landed, landing, token = _ring_backward_chunk(
-            plan, i, c, branch, heads, dod[:, qh], qd[:, qh], kd[:, kh], vd[:, kh], od[:, qh],
-            lsed[:, qh], None if bias is None else bias[:, qh], landing, token,
+        dq, landed, landing = _ring_backward_chunk(
+            plan, ring, i, c, branch, heads, dod[:, qh], qd[:, qh], kd[:, kh], vd[:, kh],
+            od[:, qh], lsed[:, qh], None if bias is None else bias[:, qh], landing,
         )  # fmt: skip
         dqs.append(dq)
         if landed is not None:
             dkvs.append(landed)
-    landed, token = _land(i, branch, landing, token, [])
-    dkvs.append(landed)
-    return _cat_heads(dqs), *(_cat_heads(list(g)) for g in zip(*dkvs)), token
+    dkvs.append(_land(ring, i, branch, landing, []))
+    return _cat_heads(dqs), *(_cat_heads(list(g)) for g in zip(*dkvs))
 
 
-def _land(i, branch, landing, token, after):
+def _land(ring, i, branch, landing, after):
     """A chunk's dk and dv at their owner: what its own K/V gave at step 0, which stayed home,
     plus the accumulator of every other rank's share, arriving on its last hop. ``landing`` is
-    ``(accumulator sent, its tag, the step-0 share)``."""
-    sent, tag, home = landing
+    ``(the accumulator's last hop in flight, the step-0 share)``."""
+    flight, home = landing
     with role("p2p", branch=i, step=len(branch.ring) - 1):
-        got, token = _shift_wait(sent, token, tag, after)
+        got = ring.wait(flight, after)
     with role("merge", branch=i):
-        return [a + b for a, b in zip(home, got)], token
+        return [a + b for a, b in zip(home, got)]
 
 
-def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, landing, token):
+def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, landing):
     """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (which landed
     during this chunk's first step; None for the first chunk), and this chunk's dk and dv still
-    on their last hop home: ``(dq, landed, landing, token)`` (``_land``).
+    on their last hop home: ``(dq, landed, landing)`` (``_land``).
 
     NOTE: dK/dV travel one step behind K/V, from the first rank that holds them on: the step-0
     share of a rank's own K/V stays home, so an accumulator makes ``G - 1`` hops (the last one
@@ -380,13 +369,15 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
     kv = [kd, vd]
     home = None  # dK/dV of this rank's own K/V from step 0: they never leave
     dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
+    dkv_flight = None  # the accumulators on their way to the next rank
     landed = None
     dq_parts: list = [None] * layout.nseg
     last = len(branch.ring) - 1
     for step, blocks in enumerate(branch.steps):
         if step < last:
             with role("p2p", branch=i, step=step):
-                token = _shift_start(plan, branch, kv, token, plan.tag(i, _KV_BACK, step, c))
+                kv_flight = _shift(ring, branch, kv, plan.tag(i, KV_BACK, step, c))
+                kv = kv_flight.sent  # the buffers in flight: the blocks read them too
         dk_parts: list = [None] * layout.nseg
         dv_parts: list = [None] * layout.nseg
         computed = []
@@ -412,13 +403,13 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                     for part, piece in zip(range(p0, p1), _split_rows(x, layout, p0, p1)):
                         parts[part] = _acc(parts[part], piece.float())
         if landing is not None:
-            landed, token = _land(i, branch, landing, token, computed)
+            landed = _land(ring, i, branch, landing, computed)
             landing = None
         if step > 1:
             # The accumulators sent last step (they moved during this step's compute) belong to
             # the K/V held now.
             with role("p2p", branch=i, step=step):
-                dkv, token = _shift_wait(dkv, token, plan.tag(i, _DKV, step - 1, c), computed)
+                dkv = ring.wait(dkv_flight, computed)
         if blocks or step <= 1:
             with role("merge", branch=i, step=step):
                 here = [
@@ -431,11 +422,11 @@ def _ring_backward_chunk(plan, i, c, branch, heads, dod, qd, kd, vd, od, lsed, b
                     dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
         if step > 0:
             with role("p2p", branch=i, step=step):
-                token = _shift_start(plan, branch, dkv, token, plan.tag(i, _DKV, step, c))
+                dkv_flight = _shift(ring, branch, dkv, plan.tag(i, DKV, step, c))
         if step < last:
             with role("p2p", branch=i, step=step):
-                kv, token = _shift_wait(kv, token, plan.tag(i, _KV_BACK, step, c), computed)
-    return _join_parts(dq_parts, layout), landed, (dkv, plan.tag(i, _DKV, last, c), home), token
+                kv = ring.wait(kv_flight, computed)
+    return _join_parts(dq_parts, layout), landed, (dkv_flight, home)
 
 
 def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
@@ -449,6 +440,7 @@ def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask and the
     token)."""
+    ring = Rotater(plan.group_name, token)
     with role("shard"):
         ql, kl, vl, dol = (_local(plan, x) for x in (q, k, v, dout))
     dq = dk = dv = None
@@ -465,9 +457,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
                     dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal
                 )
         else:
-            dqd, dkd, dvd, token = _ring_backward(
-                plan, i, branch, dod, qd, kd, vd, od, lsed, bias, token
-            )
+            dqd, dkd, dvd = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias)
         with role("undilate", branch=i):
             dq = _acc(dq, layout.undilate_q(dqd))
             dk = _acc(dk, layout.accumulate_kv(dkd, plan.d))
@@ -477,5 +467,5 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
     if plan.gathers:
         with role("shard"):
             for j, g in enumerate(grads):
-                grads[j], token = _gather(plan, g, token, plan.tag(0, _GATHER, 1 + j))
+                grads[j] = _gather(plan, ring, g, plan.tag(0, GATHER, 1 + j))
     return (*grads, *(None for x in (mask, token) if x is not None))

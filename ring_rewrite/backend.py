@@ -45,6 +45,9 @@ class RingDilatedBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
         from passes import decompose_attention_modules, rewrite_sdpa
 
+        from .p2p import inductor_lowering
+
+        inductor_lowering()  # whichever compiler lowers the graph, inductor must know the ring
         config = self.config
         if kwargs.get("options") is not None:
             config = RingDilatedConfig.from_options(kwargs["options"])
@@ -65,9 +68,14 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any], compiler: str):
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+    from .p2p import inductor_lowering
+
+    # NOTE: a user's own post-grad pass keys the FX graph cache instead of ours.
+    patches = {} if inductor_config.post_grad_custom_post_pass else inductor_lowering()
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 class lazy_print:

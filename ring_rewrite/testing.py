@@ -24,6 +24,9 @@ What each piece looks at (SPEC §4):
 * ``assert_same_p2p_schedule``: compiled once per rank of a fake process group, every rank issues
   the same ring transfers (op, tag, shape, dtype) in the same order, forward and backward, and
   each message has a receiver (Note [Ordering the ring's messages] in ``ring_rewrite/p2p.py``).
+* ``buffers_in_flight_violations``: in the code inductor generated (``run_and_get_code``),
+  every buffer a transfer sends stays alive and unwritten from its start to its wait, and the
+  wait reads the buffers the start sent (Note [Buffers in flight] in ``ring_rewrite/p2p.py``).
 * ``assert_expected_graph``: the normalised graph text equals a stored file; with
   ``RING_REWRITE_ACCEPT=1`` in the environment the file is (re)written instead, as
   ``EXPECTTEST_ACCEPT=1`` does for torch's ``assertExpectedInline``.
@@ -67,6 +70,7 @@ __all__ = [
     "assert_left_alone",
     "assert_rewritten",
     "assert_same_p2p_schedule",
+    "buffers_in_flight_violations",
     "capture",
     "capture_ranks",
     "graph_diff",
@@ -975,3 +979,63 @@ def _unified(a: str, b: str, name_a: str, name_b: str) -> str:
     return "".join(
         difflib.unified_diff(a.splitlines(keepends=True), b.splitlines(keepends=True), name_a, name_b)
     )
+
+
+# ---- inductor's generated code -----------------------------------------------------------------
+
+_CODE_START = re.compile(r"ring_rewrite\.ring_shift_start\.default\(\[([^\]]*)\], .*, (\d+)\)$")
+_CODE_WAIT = re.compile(r"ring_rewrite\.ring_shift_wait\.default\(\[([^\]]*)\], [\w.]+, (\d+), \[")
+_CODE_KERNEL = re.compile(r"^(\w+) = async_compile\.\w+\(\[([^\]]*)\]")
+_CODE_CALL = re.compile(r"^\s*(\w+)\((.*)\)\s*$")
+_CODE_ALIAS = re.compile(r"^\s*\w+ = (?:reinterpret_tensor\()?(\w+)[,;)]")
+_CODE_DEL = re.compile(r"\bdel (\w+)")
+_CODE_OUT = re.compile(r"\bout=(\w+)")
+
+
+def buffers_in_flight_violations(code: str) -> list[str]:
+    """Where inductor's generated wrapper ``code`` lets a ring transfer's send buffer die, be
+    reused or be written between the transfer's start and its wait, or waits on other buffers
+    than it sent; an empty list when none.
+
+    Reads the wrapper as ``torch._inductor.utils.run_and_get_code`` returns it: a buffer is
+    freed by ``del``, handed on by ``# reuse`` (``bufB = bufA; del bufA``), and written by a C++
+    kernel at a non-``const`` pointer argument or by an extern kernel's ``out=``.
+    """
+    outputs: dict[str, list[bool]] = {}  # kernel -> per argument: is it written?
+    in_flight: dict[str, tuple[str, ...]] = {}  # tag -> buffers sent
+    problems = []
+    for number, line in enumerate(code.splitlines(), 1):
+        where = f"line {number}: {line.strip()}"
+        if kernel := _CODE_KERNEL.match(line):
+            types = [t.strip().strip("'\"") for t in kernel.group(2).split(",")]
+            outputs[kernel.group(1)] = [not t.startswith("const") for t in types]
+            continue
+        if start := _CODE_START.search(line):
+            in_flight[start.group(2)] = tuple(_names(start.group(1)))
+            continue
+        if wait := _CODE_WAIT.search(line):
+            sent = in_flight.pop(wait.group(2), None)
+            if sent is None:
+                problems.append(f"a wait without a start (tag {wait.group(2)}), {where}")
+            elif tuple(_names(wait.group(1))) != sent:
+                problems.append(f"the wait reads other buffers than its start sent {sent}, {where}")
+            continue
+        busy = {name: tag for tag, names in in_flight.items() for name in names}
+        if not busy:
+            continue
+        touched = set(_CODE_DEL.findall(line)) | set(_CODE_OUT.findall(line))
+        if (alias := _CODE_ALIAS.match(line)) and "# reuse" in line:
+            touched.add(alias.group(1))
+        if (call := _CODE_CALL.match(line)) and call.group(1) in outputs:
+            args = [a.strip() for a in call.group(2).split(",")]
+            touched |= {a for a, out in zip(args, outputs[call.group(1)]) if out}
+        for name in sorted(touched & set(busy)):
+            problems.append(f"{name}, in flight (tag {busy[name]}), is freed or written, {where}")
+    problems += [f"transfer {tag} of {sent} is never waited for" for tag, sent in in_flight.items()]
+    return problems
+
+
+def _names(listed: str) -> list[str]:
+    """Buffer names in a wrapper's list argument, views included (``reinterpret_tensor(buf3,
+    (..), (..), 0)`` is ``buf3``)."""
+    return [x for x in re.findall(r"\b[A-Za-z_]\w*\b", listed) if x != "reinterpret_tensor"]

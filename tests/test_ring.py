@@ -12,7 +12,7 @@ from ranks import run_ranks
 BOUND = 1e-5
 
 
-def _case(rank, world, case):
+def _case(rank, world, case, compiler):
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
     from ring_rewrite.report import bytes_sent
@@ -32,7 +32,7 @@ def _case(rank, world, case):
 
     options = dict(
         segment_lengths=segs, dilation_rates=rates, sharding=sharding, layout=layout,
-        compiler="aot_eager",
+        compiler=compiler,
     )  # fmt: skip
     torch._dynamo.reset()
     backend = ring_rewrite.backend(**options)
@@ -57,13 +57,13 @@ def _case(rank, world, case):
     return record.plan
 
 
-def _cases(rank, world, cases, chunk_bytes=None):
+def _cases(rank, world, cases, compiler, chunk_bytes=None):
     if chunk_bytes is not None:
         from ring_rewrite import attention
 
         attention.RING_CHUNK_BYTES = chunk_bytes  # this rank's process only
     for case in cases:
-        plan = _case(rank, world, case)
+        plan = _case(rank, world, case, compiler)
         if chunk_bytes == 1:
             rings = [b for b in plan.branches if not b.is_local]
             assert rings and all(plan.head_chunks(b) == b.layout.kv_heads > 1 for b in rings), case
@@ -86,15 +86,23 @@ CASES_P4 = [
 ]
 
 
+CHECK = "RING_REWRITE_CHECK_TRANSFERS"
+
+
+# Inductor is what users run (the default), as they run it; aot_eager is the second column, run
+# with every message fingerprinted (Note [Buffers in flight]), as are the head chunks below.
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("world, cases", [(2, CASES_P2), (4, CASES_P4)], ids=["P2", "P4"])
-def test_ring_matches_reference(world, cases):
-    run_ranks(world, _cases, cases)
+def test_ring_matches_reference(world, cases, compiler, monkeypatch):
+    monkeypatch.setenv(CHECK, "1" if compiler == "aot_eager" else "0")  # read by the ranks
+    run_ranks(world, _cases, cases, compiler)
 
 
-@pytest.mark.parametrize("world, cases", [(2, CASES_P2[1:]), (4, CASES_P4[::2])], ids=["P2", "P4"])
-def test_ring_in_head_chunks_matches_reference(world, cases):
+@pytest.mark.parametrize("world, cases", [(2, CASES_P2[2:4]), (4, CASES_P4[2:3])], ids=["P2", "P4"])
+def test_ring_in_head_chunks_matches_reference(world, cases, monkeypatch):
     # Every ring branch in as many head chunks as its dilated kv heads allow (Note [Head chunks]).
-    run_ranks(world, _cases, cases, 1)
+    monkeypatch.setenv(CHECK, "1")
+    run_ranks(world, _cases, cases, "inductor", 1)
 
 
 def _disagree(rank, world, what):
@@ -175,9 +183,81 @@ def _shift(rank, world):
     (a,), site3 = (lambda got: (got[:1], got[1]))(ops.ring_shift_wait([x], site3, 11, [x]))
     assert a.tolist() == [float(prv + 1)] * 4 and b.tolist() == [float(nxt + 1)] * 4
     assert c.tolist() == [[-float(nxt)] * 3] * 2 and (site3.item(), site4.item()) == (3, 4)
-    with pytest.raises(RuntimeError, match="no transfer 11 of site 3 is pending"):
+    with pytest.raises(RuntimeError, match=r"site 3, branch 0, step 11, .* is not pending"):
         ops.ring_shift_wait([x], site3, 11, [])
 
 
 def test_shift_start_and_wait_pair_by_tag():
     run_ranks(3, _shift)
+
+
+def _wait_on_a_copy(rank, world):
+    from ring_rewrite import p2p
+
+    ops = torch.ops.ring_rewrite
+    group = torch.distributed.group.WORLD.group_name
+    x = torch.full((4,), float(rank))
+    token = ops.ring_shift_start([x], p2p.site_token(0), group, 1 - rank, 1 - rank, 5)
+    # What inductor did before Note [Buffers in flight]: the wait got a second buffer.
+    with pytest.raises(RuntimeError, match="tensor 0 reached the wait in another buffer"):
+        ops.ring_shift_wait([x.clone()], token, 5, [])
+
+
+def test_a_wait_on_another_buffer_than_was_sent_raises():
+    run_ranks(2, _wait_on_a_copy)
+
+
+def _fail_mid_step(rank, world):
+    from ring_rewrite import p2p
+
+    ops = torch.ops.ring_rewrite
+    group = torch.distributed.group.WORLD.group_name
+    peer = 1 - rank
+    for call in range(2):
+        # A call that raises between a start and its wait (the compute it overlaps failed)...
+        x = torch.full((4,), float(10 * call + rank))
+        token = ops.ring_shift_start([x], p2p.site_token(2), group, peer, peer, 7)
+        if call == 0:
+            continue
+        # ...leaves nothing behind that breaks the next call of the site.
+        (got, _) = ops.ring_shift_wait([x], token, 7, [])
+        assert got.tolist() == [float(10 + peer)] * 4
+    assert not p2p._PENDING and not p2p._ABANDONED
+
+
+def test_a_call_that_failed_mid_step_does_not_break_the_next():
+    run_ranks(2, _fail_mid_step)
+
+
+def _written_in_flight(rank, world):
+    from ring_rewrite import p2p
+
+    assert p2p.checking_transfers()
+    ops = torch.ops.ring_rewrite
+    group = torch.distributed.group.WORLD.group_name
+    x = torch.full((1 << 12,), float(rank))
+    token = ops.ring_shift_start([x], p2p.site_token(1), group, 1 - rank, 1 - rank, p2p.transfer_tag(2, p2p.KV, 3))
+    if rank == 0:
+        torch.distributed.barrier()  # rank 1 has what rank 0 sent; its send is not waited for
+        x.add_(1)  # what inductor's memory planner did to a buffer in flight
+        with pytest.raises(RuntimeError, match="site 1, branch 2, step 3, K/V, .* written while in flight"):
+            ops.ring_shift_wait([x], token, p2p.transfer_tag(2, p2p.KV, 3), [])
+    else:
+        ops.ring_shift_wait([x], token, p2p.transfer_tag(2, p2p.KV, 3), [])
+        torch.distributed.barrier()
+    # A message that is not what its sender fingerprinted (mis-paired, or written before gloo
+    # read it) fails at the receiver.
+    fingerprint = p2p._fingerprint
+    if rank == 0:
+        p2p._fingerprint = lambda t: torch.zeros(2, dtype=torch.int64)
+    token = ops.ring_shift_start([x], p2p.site_token(1), group, 1 - rank, 1 - rank, 9)
+    p2p._fingerprint = fingerprint
+    expected = "differs from what that rank sent" if rank == 1 else "written while in flight"
+    with pytest.raises(RuntimeError, match=expected):
+        ops.ring_shift_wait([x], token, 9, [])
+    torch.distributed.barrier()  # neither rank leaves while the other still reads
+
+
+def test_checked_transfers_catch_a_buffer_written_in_flight(monkeypatch):
+    monkeypatch.setenv(CHECK, "1")
+    run_ranks(2, _written_in_flight)

@@ -113,7 +113,7 @@ def test_each_transfer_starts_before_the_compute_it_overlaps_and_ends_after(per_
 def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeypatch):
     # Note [Head chunks]: with every kv head its own chunk, chunk c's dK/dV travel home while
     # chunk c + 1 computes; only the last chunk's last hop has no compute inside it.
-    from ring_rewrite import attention
+    from ring_rewrite import attention, p2p
 
     monkeypatch.setattr(attention, "RING_CHUNK_BYTES", 1)
     start, wait = torch.ops.ring_rewrite.ring_shift_start, torch.ops.ring_rewrite.ring_shift_wait
@@ -132,7 +132,7 @@ def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeyp
         chunks = record.plan.head_chunks(branch)
         assert chunks == 4
         last = len(branch.ring) - 1
-        last_hops = {record.plan.tag(0, attention._DKV, last, chunk) for chunk in range(chunks)}
+        last_hops = {record.plan.tag(0, p2p.DKV, last, chunk) for chunk in range(chunks)}
         blocks_since, overlapped = {}, []  # last hop started -> backward blocks since its start
         for node in site_body(gm, 0, "bwd").graph.nodes:
             op = getattr(node.target, "overloadpacket", node.target)
@@ -150,37 +150,74 @@ _WAIT = re.compile(r"torch\.ops\.ring_rewrite\.ring_shift_wait\.default\(.*, (\d
 _BLOCK = re.compile(r"torch\.ops\.ring_rewrite\.block_attention(_backward)?\.default\(")
 _ALLOC = re.compile(r"empty_strided_cpu\(\(([\d, ]*)\), \(([\d, ]*)\)")
 
+# Sites compiled by inductor on a fake process group of 2 ranks: (config, heads q/kv, local
+# tokens, causal). Every ring branch runs in as many head chunks as it can (RING_CHUNK_BYTES=1).
+INDUCTOR_CASES = {
+    "exact": (dict(sharding="sharded"), (2, 2), 32, False),
+    # The case that came out wrong under inductor (issue 15): a branch of rate 4 across ranks.
+    "dilated": (dict(segment_lengths=[16, 128], dilation_rates=[1, 4], sharding="sharded"), (4, 4), 64, False),
+    "zigzag-gqa": (
+        dict(segment_lengths=[16, 64], dilation_rates=[1, 2], layout="zigzag"), (4, 2), 64, True
+    ),
+}
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
 
-
-def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers(monkeypatch):
-    """What runs, not only the traced body: in inductor's generated code every transfer has block
-    compute between its start and its wait, forward and backward, except the last chunk's last
-    hop home. (Its peak-memory reordering moved each dK/dV wait ahead of the block it overlaps
-    until the waits took that block's results: Note [Ordering the ring's messages].) And every
-    buffer is contiguous: one-head chunks once made it lay the output out channels-last and copy
-    it back (``attention._cat_heads``)."""
+@pytest.fixture(scope="module", params=list(INDUCTOR_CASES))
+def inductor_code(request) -> tuple[list[str], list[tuple[int, int]]]:
+    """Inductor's generated code (forward, backward) of one site on rank 0 of 2, and the head
+    chunks and ring size of each ring branch."""
     import torch.distributed as dist
     from torch._inductor.utils import fresh_cache, run_and_get_code
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ring_rewrite import attention
 
-    monkeypatch.setattr(attention, "RING_CHUNK_BYTES", 1)  # two head chunks
-    q, k, v = (torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3))
+    config, (hq, hkv), n, causal = INDUCTOR_CASES[request.param]
+    q = torch.randn(1, hq, n, 8, requires_grad=True)
+    k, v = (torch.randn(1, hkv, n, 8, requires_grad=True) for _ in range(2))
+    backend = ring_rewrite.backend(compiler="inductor", **config)
     attend = torch.compile(
-        F.scaled_dot_product_attention,
-        backend=ring_rewrite.backend(sharding="sharded", compiler="inductor"),
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv),
+        backend=backend,
         fullgraph=True,
     )
+    torch._dynamo.reset()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        with fresh_cache():
+        with pytest.MonkeyPatch.context() as patch, fresh_cache():
+            patch.setattr(attention, "RING_CHUNK_BYTES", 1)
             _, codes = run_and_get_code(lambda: attend(q, k, v).sum().backward())
+            (record,) = backend.records
+            plan = record.plan
+            rings = [(plan.head_chunks(b), len(b.ring)) for b in plan.branches if not b.is_local]
     finally:
         dist.destroy_process_group()
+    return codes, rings
+
+
+def test_inductors_code_keeps_every_buffer_in_flight_alive_and_unwritten(inductor_code):
+    """Note [Buffers in flight]: in the code that runs, no buffer a transfer sends is freed,
+    reused or written before its wait, and the wait reads the buffers the start sent. (On the
+    commit before the fix, inductor handed the K/V sent at step 0 to the next gather kernel and
+    gave the wait a second copy: see ``buffers_in_flight_violations``.)"""
+    from ring_rewrite.testing import buffers_in_flight_violations
+
+    codes, rings = inductor_code
+    assert rings
+    for code in codes:
+        assert "ring_shift_start" in code
+        assert buffers_in_flight_violations(code) == []
+
+
+def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers(inductor_code):
+    """What runs, not only the traced body: in inductor's generated code every transfer has block
+    compute between its start and its wait, forward and backward, except each ring branch's last
+    chunk's last hop home. (Its peak-memory reordering moved each dK/dV wait ahead of the block
+    it overlaps until the waits took that block's results: Note [Ordering the ring's
+    messages].) And every buffer is contiguous: one-head chunks once made it lay the output out
+    channels-last and copy it back (``attention._cat_heads``)."""
+    codes, rings = inductor_code
+    assert rings and all(chunks > 1 for chunks, _ in rings)
     overlapped = []  # per transfer, in the order of the waits: was a block run inside it?
     for code in codes:
         blocks_since = {}  # started transfer -> blocks run since its start
@@ -193,7 +230,14 @@ def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers
                 blocks_since = {tag: count + 1 for tag, count in blocks_since.items()}
             for size, stride in _ALLOC.findall(line):
                 size, stride = _ints(size), _ints(stride)
-                assert stride == torch.empty(size).stride(), line
+                assert torch.empty_strided(size, stride).is_contiguous(), line
         assert not blocks_since
     # Forward: one K/V hop per chunk. Backward: per chunk one K/V hop and one dK/dV hop, home.
-    assert overlapped == [True] * (2 + 4 - 1) + [False]
+    hops = sum(chunks * (size - 1) for chunks, size in rings)
+    assert len(overlapped) == 3 * hops
+    assert overlapped.count(False) == len(rings)
+    assert all(overlapped[:hops])
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
