@@ -247,7 +247,6 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
             # NOTE: the next K/V start moving before this step's compute and arrive after it.
             with role("p2p", branch=i, step=step):
                 flight = _shift(ring, branch, kv, plan.tag(i, KV, step, c))
-                kv = flight.sent  # the buffers in flight: the blocks read them too
         computed = []
         for blk in blocks:
             with role("attention", branch=i, step=step):
@@ -377,7 +376,6 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv_flight = _shift(ring, branch, kv, plan.tag(i, KV_BACK, step, c))
-                kv = kv_flight.sent  # the buffers in flight: the blocks read them too
         dk_parts: list = [None] * layout.nseg
         dv_parts: list = [None] * layout.nseg
         computed = []

@@ -240,8 +240,12 @@ def ring_shift_wait(
         raise RuntimeError(
             f"ring_rewrite: transfer {name} is not pending (waited before its start, or twice)"
         )
-    for work in pending.works:
-        work.wait()
+    try:
+        for work in pending.works:
+            work.wait()
+    except BaseException:
+        _ABANDONED.append(pending)  # gloo may still write into its buffers: never free them
+        raise
     for i, (x, address) in enumerate(zip(xs, pending.given)):
         if address is not None and x.data_ptr() != address:
             raise RuntimeError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["reference_attention", "connection_counts"]
 
@@ -46,7 +47,8 @@ def reference_attention(
     this is exact softmax attention.
 
     ``query_chunk`` computes the queries that many at a time, so the dense scores never exceed
-    ``(B, Hq, query_chunk, N)`` (a float64 check at 16k tokens fits in a few GiB), and each chunk
+    ``(B, Hq, query_chunk, N)``, forward or backward (each chunk is recomputed in the backward; a
+    float64 check at 16k tokens fits in a few GiB), and each chunk
     only looks at the keys that one of its queries connects to (with ``is_causal``, none after
     its last query). Same function (up to float64 rounding of the sums), still differentiable;
     ``None`` is the one dense pass.
@@ -84,7 +86,12 @@ def reference_attention(
         if bias is not None and bias.shape[-1] == n:
             bias = bias[..., used]
         ks, vs = k[:, :, used], v[:, :, used]
-        outs.append(_attend(q[:, :, start:stop], ks, vs, counts[:, :, used], bias, scale))
+        chunk = (q[:, :, start:stop], ks, vs, counts[:, :, used], bias, scale)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            # Recomputed in the backward: the scores of one chunk at a time, there too.
+            outs.append(torch.utils.checkpoint.checkpoint(_attend, *chunk, use_reentrant=False))
+        else:
+            outs.append(_attend(*chunk))
     return torch.cat(outs, dim=2)
 
 
