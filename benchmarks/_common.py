@@ -1,8 +1,10 @@
-"""What every benchmark here shares: timing, peak memory, gloo ranks, the machine record, output.
+"""What every benchmark here shares: timing, peak memory, gloo ranks, the float64 check, the
+machine record, output.
 
 Each benchmark is a script (``python benchmarks/<name>.py``) that imports this module, prints a
 ``tabulate`` table, and writes ``results/<name>.json`` (with :func:`machine`) and, where a plot
-helps, ``results/<name>.png``.
+helps, ``results/<name>.png``. Before it measures an attention, it checks that attention, under the
+compiler and at the size and P it measures, against float64 (see "checks" below).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ RESULTS = ROOT / "results"
 MIB = 2**20
 GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 MMAP_THRESHOLD = 256 * 1024
+TOLERANCE = 1e-5  # max rel_err of a float32 output or gradient against the float64 reference
+TENSORS = ("out", "dq", "dk", "dv")
+REFERENCE_SCORES = 256 * MIB  # bytes of one (B, H, query_chunk, N) float64 block of the reference
 
 
 # ---- time ------------------------------------------------------------------------------------
@@ -149,6 +154,85 @@ def run_ranks(fn: Callable[[int, int, Any], dict], world: int, args: Any) -> lis
             start_method="spawn",
         )  # fmt: skip
         return json.loads(Path(out_dir, "ranks.json").read_text())
+
+
+# ---- checks against float64 -----------------------------------------------------------------
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max-abs error / max-abs value (SPEC §5)."""
+    expected = expected.double()
+    scale = expected.abs().max().clamp_min(1e-30)
+    return ((actual.double() - expected).abs().max() / scale).item()
+
+
+def sequence_inputs(shape: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
+    """q, k, v, grad_out of the whole sequence from ``seed``: the same in every process."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(4)]
+
+
+def local(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """This rank's shard of a whole-sequence ``(B, H, N, D)`` tensor, as its own contiguous tensor."""
+    import ring_rewrite
+
+    return ring_rewrite.shard(x, 2, layout=layout).clone(memory_format=torch.contiguous_format)
+
+
+def forward_backward(attend: Callable[..., torch.Tensor], q, k, v, grad_out) -> dict[str, torch.Tensor]:
+    """``out, dq, dk, dv`` of ``attend(q, k, v)`` for the output gradient ``grad_out`` (``q, k, v``
+    require grad)."""
+    out = attend(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    return dict(zip(TENSORS, (out.detach(), *grads)))
+
+
+def reference(q, k, v, grad_out, **options: Any) -> dict[str, torch.Tensor]:
+    """:func:`forward_backward` of ``ring_rewrite.reference.reference_attention(q, k, v,
+    **options)`` in float64 (``options``: ``segment_lengths``, ``dilation_rates``, ``is_causal``).
+
+    The queries go ``query_chunk`` at a time, forward and backward, so that one block of scores
+    stays within ``REFERENCE_SCORES`` bytes whatever N.
+    """
+    from ring_rewrite.reference import reference_attention
+
+    b, h, n, _ = q.shape
+    chunk = max(1, REFERENCE_SCORES // (8 * b * h * n))
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    attend = lambda q, k, v: reference_attention(q, k, v, query_chunk=chunk, **options)  # noqa: E731
+    return forward_backward(attend, q, k, v, grad_out.double())
+
+
+def errors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """:func:`rel_err` of each of ``got``'s tensors against ``expected``'s."""
+    return {name: rel_err(x, expected[name]) for name, x in got.items()}
+
+
+def ring_errors(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], layout: str
+) -> dict[str, float]:
+    """:func:`rel_err` over the whole sequence of all ranks' ``out, dq, dk, dv`` (this rank's
+    shards in ``got``) against ``expected``, the whole sequence's. Each rank reads only its shard
+    of ``expected``; the max-abs errors and values are all-reduced, so every rank gets the same
+    errors."""
+    import torch.distributed as dist
+
+    import ring_rewrite
+
+    stats = []
+    for name, x in got.items():
+        y = ring_rewrite.shard(expected[name], 2, layout=layout)
+        stats.append(torch.stack([(x.double() - y).abs().max(), y.abs().max()]))
+    stats = torch.stack(stats).nan_to_num(nan=float("inf"))
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    return {name: (err / scale.clamp_min(1e-30)).item() for name, (err, scale) in zip(got, stats)}
+
+
+def require(errors: dict[str, float], what: str) -> None:
+    """Raise if an error is above ``TOLERANCE`` (or NaN)."""
+    bad = {name: e for name, e in errors.items() if not e <= TOLERANCE}
+    if bad:
+        raise AssertionError(f"{what}: rel. error against float64 {bad} > {TOLERANCE}")
 
 
 # ---- the record ------------------------------------------------------------------------------

@@ -6,6 +6,11 @@ them) travel". One function calling ``F.scaled_dot_product_attention`` on ``q, k
 contiguous layout, ``compiler="aot_eager"``) under each config below, on P gloo ranks spawned on
 this machine, and run forward + backward once to compile, then once measured.
 
+The first step is also a check: every rank holds its shard of one global ``q, k, v, grad_out``
+built from a fixed seed, and the output and q/k/v gradients of all ranks together are compared
+with float64 ``ring_rewrite.reference.reference_attention`` over the whole sequence (each config's
+computed once, in the parent): max-abs error over max-abs value, above 1e-5 every rank raises.
+
 Sent: ``torch._dynamo.utils.counters["ring_rewrite"]["bytes_sent"]``, which the P2P op bumps by
 the bytes it hands to ``batch_isend_irecv``, read and reset around the forward and around the
 backward. Plan: ``ring_rewrite.report.bytes_sent(site.plan)`` of the site the backend recorded,
@@ -32,6 +37,7 @@ Bytes do not depend on speed, so N can be small. Writes ``results/ring_comm.json
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -43,9 +49,27 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for _common
-from _common import MIB, RESULTS, machine, pyplot, run_ranks, save_plot, verdict, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    MIB,
+    RESULTS,
+    TENSORS,
+    TOLERANCE,
+    local,
+    machine,
+    pyplot,
+    reference,
+    require,
+    ring_errors,
+    run_ranks,
+    save_plot,
+    sequence_inputs,
+    verdict,
+    write_json,
+)
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
+SEED = 0
+LAYOUT = "contiguous"
 RATES = (2, 4, 8)
 BASE = "(N,1)"
 TARGETS = {
@@ -75,6 +99,27 @@ def _configs(n: int, world: int) -> list[dict]:
     return configs
 
 
+def _branches(config: dict, n: int) -> tuple[tuple[int, int], ...]:
+    """The config's ``(w, r)`` branches: "exact" and "(N,1)" are one function."""
+    if config["segment_lengths"] is None:
+        return ((n, 1),)
+    return tuple(zip(config["segment_lengths"], config["dilation_rates"]))
+
+
+def _references(n: int, worlds: list[int], causal_values: list[bool]) -> dict[tuple, dict]:
+    """float64 out, dq, dk, dv over the whole sequence of every config's function at every P, by
+    its ``(branches, causal)``."""
+    whole = sequence_inputs((BATCH, HEADS, n, HEAD_DIM), SEED)
+    refs = {}
+    for world, causal in itertools.product(worlds, causal_values):
+        for config in _configs(n, world):
+            key = _branches(config, n), causal
+            if key not in refs:
+                segments, rates = zip(*key[0])
+                refs[key] = reference(*whole, segment_lengths=segments, dilation_rates=rates, is_causal=causal)
+    return refs
+
+
 def _single_branch_refusal(n: int) -> str | None:
     """The config's error for one branch ``(N, 2)`` alone, or None if it is accepted."""
     from ring_rewrite import RingDilatedConfig
@@ -97,42 +142,45 @@ def _bytes_sent() -> int:
     return sent
 
 
-def _step(compiled, q, k, v, grad_out) -> tuple[int, int]:
-    """One forward + backward: ``(bytes sent by the forward, by the backward)``."""
+def _step(compiled, q, k, v, grad_out) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
+    """One forward + backward: ``(bytes sent by the forward, by the backward)`` and ``out, dq,
+    dk, dv``."""
     dist.barrier()  # NOTE: outside the ring: every rank starts the step together
     _bytes_sent()
     out = compiled(q, k, v)
     sent_fwd = _bytes_sent()
-    torch.autograd.grad(out, (q, k, v), grad_out)
-    return sent_fwd, _bytes_sent()
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    return (sent_fwd, _bytes_sent()), dict(zip(TENSORS, (out.detach(), *grads)))
 
 
-def _case(config: dict, causal: bool, n: int, world: int, rank: int) -> dict:
+def _case(config: dict, causal: bool, args: dict, world: int, rank: int) -> dict:
     import ring_rewrite
     from ring_rewrite.report import bytes_sent
 
     torch._dynamo.reset()  # one backend per config: compile afresh
-    torch.manual_seed(rank)
-    shape = (BATCH, HEADS, n // world, HEAD_DIM)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(shape)
+    n = args["seq"]
+    whole = sequence_inputs((BATCH, HEADS, n, HEAD_DIM), SEED)
+    q, k, v, grad_out = (local(x, LAYOUT) for x in whole)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    options = {"sharding": "sharded", "layout": "contiguous", "compiler": "aot_eager"}
+    options = {"sharding": "sharded", "layout": LAYOUT, "compiler": "aot_eager"}
     if config["segment_lengths"] is not None:
         options.update(segment_lengths=config["segment_lengths"], dilation_rates=config["dilation_rates"])
     backend = ring_rewrite.backend(**options)
     compiled = torch.compile(attend, backend=backend, fullgraph=True)
-    first = _step(compiled, q, k, v, grad_out)  # compiles forward and backward
-    sent_fwd, sent_bwd = _step(compiled, q, k, v, grad_out)
+    first, got = _step(compiled, q, k, v, grad_out)  # compiles forward and backward
+    errors = ring_errors(got, args["reference"][_branches(config, n), causal], LAYOUT)
+    require(errors, f"{config['name']}, causal={causal}, P = {world}, rank {rank}")
+    (sent_fwd, sent_bwd), _ = _step(compiled, q, k, v, grad_out)
     (site,) = backend.records
     plan = bytes_sent(site.plan)
     return {
         "config": config["name"], "causal": causal, "rank": rank,
         "sent_fwd_bytes": sent_fwd, "sent_bwd_bytes": sent_bwd,
-        "first_step_sent_bytes": list(first),
+        "first_step_sent_bytes": list(first), "rel_err": errors,
         "plan_fwd_bytes": plan["forward"], "plan_bwd_bytes": plan["backward"],
         "branches": [
             {"w": b.w, "r": b.r, "ring": list(b.ring), "rows_per_head": b.layout.m,
@@ -145,11 +193,10 @@ def _case(config: dict, causal: bool, n: int, world: int, rank: int) -> dict:
 def _rank(rank: int, world: int, args: dict) -> dict:
     """Every config on this rank (``run_ranks`` has joined the gloo group)."""
     torch.set_num_threads(1)
-    n = args["seq"]
     cases = [
-        _case(config, causal, n, world, rank)
+        _case(config, causal, args, world, rank)
         for causal in args["causal"]
-        for config in _configs(n, world)
+        for config in _configs(args["seq"], world)
     ]
     return {"rank": rank, "cases": cases}
 
@@ -212,6 +259,7 @@ def _rows(runs: dict[int, list[dict]], n: int, causal_values: list[bool]) -> tup
                     f"bwd / {BASE}": ratios[1],
                     "expected": None if rate is None else 1 / rate,
                     "= 1/r": None if exact_ratio is None else ("yes" if exact_ratio else "NO"),
+                    "max rel err": max(got[0]["rel_err"].values()),
                 })  # fmt: skip
     return rows, checks
 
@@ -264,7 +312,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"N = {n} must be a multiple of 8 max(8, P) = {8 * max(8, world)} (segments N/8, "
                 "rate 8 on each rank's N/P tokens)"
             )
-    args = {"seq": n, "causal": causal_values}
 
     refusal = _single_branch_refusal(n)
     print(
@@ -277,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )  # fmt: skip
     record_machine = machine(threads=1)  # before the run: the commit measured
+    t0 = time.perf_counter()
+    args = {"seq": n, "causal": causal_values, "reference": _references(n, opts.ranks, causal_values)}
+    print(f"  float64 references: {time.perf_counter() - t0:.1f} s", flush=True)
     runs = {}
     for world in opts.ranks:
         t0 = time.perf_counter()
@@ -292,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         f"= plan: every rank, forward and backward; fwd / {BASE}, bwd / {BASE}: sent over the "
         f"undilated ring's at the same P and causality; = 1/r: sent * r == the undilated ring's, "
         "every rank, fwd and bwd\nring: (w,r):local, or the size of the (sub-)ring the branch "
-        "runs on"
+        "runs on; max rel err: out, dq, dk, dv of all ranks against float64 reference_attention over "
+        f"the whole sequence (bound {TOLERANCE:g})"
     )
     print()
     for key, line in TARGETS.items():
@@ -304,11 +355,14 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "seq": n, "ranks": opts.ranks, "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM,
             "dtype": "float32", "causal": causal_values, "sharding": "sharded",
-            "layout": "contiguous", "compiler": "aot_eager", "quick": opts.quick,
+            "layout": LAYOUT, "compiler": "aot_eager", "quick": opts.quick, "seed": SEED,
             "configs": _configs(n, max(opts.ranks)),
             "single_branch_refused": refusal,
             "sent": 'counters["ring_rewrite"]["bytes_sent"] around the measured forward and backward',
             "plan": "ring_rewrite.report.bytes_sent(site.plan)",
+            "check": "the first step's out, dq, dk, dv of all ranks against float64 reference_attention "
+                     "over the whole sequence",
+            "tolerance": TOLERANCE,
         },  # fmt: skip
         "targets": [{"line": line, "met": checks[key]} for key, line in TARGETS.items()],
         "rows": rows,

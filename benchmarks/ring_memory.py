@@ -2,8 +2,15 @@
 
 One function calling ``F.scaled_dot_product_attention`` on ``q, k, v`` of shape
 ``(1, 8, N/P, 64)`` float32, causal, is compiled with the ``ring_dilated`` backend in sharded mode
-(each rank creates only its local shard) and run forward + backward once to compile, then once
-measured. For each P, P gloo ranks are spawned on this machine.
+(each rank holds only its shard) and run forward + backward once to compile, once to check, then
+once measured. For each P, P gloo ranks are spawned on this machine.
+
+Check: every rank cuts its shard (``ring_rewrite.shard``, the layout measured) of one global
+``q, k, v, grad_out`` built from a fixed seed, the inputs of the measured step too. The output and
+q/k/v gradients of all ranks together are compared with float64 ``ring_rewrite.reference.
+reference_attention`` over the whole sequence (computed once, in the parent): max-abs error over
+max-abs value, the errors all-reduced so that every rank raises if one is above 1e-5. The check's
+tensors are freed before the measured step.
 
 Memory: the increase of the process's peak RSS (VmHWM) over its RSS just before the measured
 step, after resetting the peak (``/proc/self/clear_refs``). The inputs (q, k, v, grad_out) exist
@@ -41,20 +48,28 @@ from _common import (  # noqa: E402
     MIB,
     MMAP_THRESHOLD,
     RESULTS,
+    TOLERANCE,
     can_measure_memory,
+    forward_backward,
+    local,
     machine,
     malloc_setup,
     pyplot,
+    reference,
+    require,
     reset_peak,
+    ring_errors,
     rss,
     run_ranks,
     save_plot,
+    sequence_inputs,
     trim,
     verdict,
     write_json,
 )
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
+SEED = 0
 TARGET = 0.35  # SPEC target: attention memory at P=4 <= 0.35x of P=1
 
 
@@ -106,18 +121,17 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     import ring_rewrite
     from ring_rewrite.report import attention_memory_bytes, bytes_sent
 
-    n, causal = args["seq"], True
-    n_local = n // world
-    torch.manual_seed(rank)
-    shape = (BATCH, HEADS, n_local, HEAD_DIM)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(shape)
+    causal, layout = True, args["layout"]
+    whole = sequence_inputs((BATCH, HEADS, args["seq"], HEAD_DIM), SEED)
+    q, k, v, grad_out = (local(x, layout) for x in whole)
+    del whole  # only the shards stay
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     input_bytes = sum(x.numel() * x.element_size() for x in (q, k, v, grad_out))
 
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    options = {"sharding": "sharded", "layout": args["layout"], "compiler": args["compiler"]}
+    options = {"sharding": "sharded", "layout": layout, "compiler": args["compiler"]}
     if args["segment_lengths"] is not None:
         options.update(segment_lengths=args["segment_lengths"], dilation_rates=args["dilation_rates"])
     # The backend object is the registered "ring_dilated" backend with these options; it
@@ -128,12 +142,14 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     t0 = time.perf_counter()
     warm = _step(compiled, q, k, v, grad_out)  # compiles forward and backward
     warmup_s = time.perf_counter() - t0
-    result = _step(compiled, q, k, v, grad_out)
+    errors = ring_errors(forward_backward(compiled, q, k, v, grad_out), args["reference"], layout)
+    require(errors, f"P = {world}, rank {rank}")
+    result = _step(compiled, q, k, v, grad_out)  # trims first: the check's tensors are gone
     (site,) = backend.records
     estimate, predicted = attention_memory_bytes(site.plan), bytes_sent(site.plan)
     result.update(
         rank=rank, input_bytes=input_bytes, warmup_s=warmup_s, warmup_peak_bytes=warm["peak_bytes"],
-        malloc_mmap_forced=malloc_fixed,
+        malloc_mmap_forced=malloc_fixed, rel_err=errors,
         report_saved_bytes=estimate["saved"],
         report_peak_bytes=estimate["peak"],
         report_sent_fwd_bytes=predicted["forward"], report_sent_bwd_bytes=predicted["backward"],
@@ -211,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         "seq": opts.seq, "layout": opts.layout, "compiler": opts.compiler,
         "segment_lengths": segments, "dilation_rates": rates,
     }  # fmt: skip
+    for world in opts.ranks:
+        pieces = world * (2 if opts.layout == "zigzag" else 1)
+        if opts.seq % pieces:
+            parser.error(f"N = {opts.seq} is not divisible by {pieces} (P = {world}, layout {opts.layout})")
 
     config = "exact" if segments is None else f"segments {segments}, rates {rates}"
     print(
@@ -221,12 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     record_machine = machine(threads=1)  # before the run: the commit measured
+    t0 = time.perf_counter()
+    whole = sequence_inputs((BATCH, HEADS, opts.seq, HEAD_DIM), SEED)
+    expected = reference(*whole, is_causal=True, segment_lengths=segments, dilation_rates=rates)
+    print(f"  float64 reference: {time.perf_counter() - t0:.1f} s", flush=True)
     runs = {}
     for world in opts.ranks:
-        if opts.seq % world:
-            parser.error(f"N = {opts.seq} is not divisible by P = {world}")
         t0 = time.perf_counter()
-        runs[world] = run_ranks(_rank, world, args)
+        runs[world] = run_ranks(_rank, world, {**args, "reference": expected})
         print(f"  P={world}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
     base = max(r["peak_bytes"] for r in runs[1]) if 1 in runs else None
@@ -248,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             "sent bwd MiB": max(r["sent_bwd_bytes"] for r in ranks) / MIB,
             "fwd s": max(r["time_fwd_s"] for r in ranks),
             "bwd s": max(r["time_bwd_s"] for r in ranks),
+            "max rel err": max(ranks[0]["rel_err"].values()),
         })  # fmt: skip
     print()
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
@@ -262,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "held after fwd = RSS increase when the forward returns (output + what is saved for backward);\n"
         "peak / q size = peak in units of one local q tensor; report est. = the rewrite report's "
         "estimate: its 'MiB saved / peak' peak\n"
+        "max rel err = out, dq, dk, dv of all ranks against float64 reference_attention over the whole "
+        f"sequence, checked before the measured step (bound {TOLERANCE:g})\n"
         f"bytes sent equal the report's prediction on every rank: {'yes' if predicted else 'NO'}"
     )
 
@@ -279,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
             "causal": True, "sharding": "sharded", "config": opts.config,
             "malloc_mmap_threshold_bytes": MMAP_THRESHOLD,
             "memory": "VmHWM increase over VmRSS before the measured forward+backward",
+            "seed": SEED, "tolerance": TOLERANCE,
+            "check": "out, dq, dk, dv of the ranks' shards against float64 reference_attention over "
+                     "the whole sequence, before the measured step",
         },  # fmt: skip
         "targets": [{"line": f"attention memory at P=4 <= {TARGET}x of P=1", "met": met}],
         "bytes_sent_match_report": predicted,

@@ -2,17 +2,24 @@
 
 Inputs ``q, k, v`` of shape ``(1, 8, N, 64)`` float32 (``requires_grad``), causal by default, for
 N from 4k to 64k. Four implementations of attention, each timed forward + backward (the median of
-``--repeats`` steps after one warm-up step, which also compiles):
+``--repeats`` steps after one warm-up step, which compiles ours at every N but the first, where
+the check below did):
 
 * ``ours``: ``F.scaled_dot_product_attention`` compiled with the ``ring_dilated`` backend
   (inductor) under a LongNet-like config (segments 2048, 4096, 8192, 16384, rates 1, 2, 4, 8).
 * ``eager``: the same function written the straightforward eager way, as the seed project did:
   per branch, gather the dilated rows, attention that returns its log-sum-exp (scores, logsumexp,
   softmax, matmul), scatter back, merge the branches by their log-sum-exps; autograd does the
-  backward. Checked against ``ours`` before it is timed.
+  backward.
 * ``dense``: ``F.scaled_dot_product_attention`` over the whole sequence (eager; the CPU flash
   kernel).
 * ``ours exact`` against ``dense``: the rewrite with the default config (exact attention), same N.
+
+Before anything is timed, every implementation that will be is checked, as it is timed (the same
+compiled function), at the smallest N timed (the rewrite specialises on N: each N compiles a graph
+of its own): its output and q/k/v gradients against float64 ``ring_rewrite.reference.
+reference_attention`` (the dilated config for ``ours`` and ``eager``, exact attention for
+``dense`` and ``ours exact``), max-abs error over max-abs value; above 1e-5 the benchmark stops.
 
 Useful GFLOP/s count the query-key pairs each function connects (``4 * D`` FLOPs per pair forward,
 2.5x that backward, the FlashAttention convention), and are compared with ``torch.mm``'s rate in
@@ -38,6 +45,7 @@ import _common
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 SEGMENTS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
+EXACT = ("dense", "ours exact")  # the implementations of exact attention; the others are dilated
 TARGET_EAGER, TARGET_EXACT = 3.0, 1.2  # SPEC: >= 3x faster than eager at 32k; exact <= 1.2x SDPA
 FWD_BWD = 3.5  # forward + backward FLOPs in units of forward FLOPs (backward = 2.5x forward)
 
@@ -104,11 +112,14 @@ def _step(fn: Callable, q, k, v, grad_out) -> None:
     torch.autograd.grad(out, (q, k, v), grad_out)
 
 
+def inputs(n: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad) and grad_out of N = n."""
+    q, k, v, grad_out = _common.sequence_inputs((BATCH, HEADS, n, HEAD_DIM))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad_out
+
+
 def measure(fn: Callable, n: int, repeats: int, measure_memory: bool) -> dict:
-    torch.manual_seed(0)
-    shape = (BATCH, HEADS, n, HEAD_DIM)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(shape)
+    q, k, v, grad_out = inputs(n)
     timing = _common.median_time(lambda: _step(fn, q, k, v, grad_out), repeats, warmup=1)
     result = {"fwd_bwd_s": timing["median_s"], "times_s": timing["times_s"]}
     if measure_memory:
@@ -116,18 +127,19 @@ def measure(fn: Callable, n: int, repeats: int, measure_memory: bool) -> dict:
     return result
 
 
-def check_eager_matches(compiled: Callable, causal: bool) -> float:
-    """Max relative difference of eager and ours at N = 8192 (outputs and q/k/v grads): two
-    segments of the first two branches, one of the others."""
-    n = 8192
-    torch.manual_seed(1)
-    shape = (BATCH, HEADS, n, HEAD_DIM)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    results = []
-    for fn in (compiled, lambda q, k, v: eager_dilated(q, k, v, SEGMENTS, RATES, causal)):
-        out = fn(q, k, v)
-        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
-    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
+def check(impls: dict[str, Callable], n: int, causal: bool) -> dict[str, dict[str, float]]:
+    """Each implementation's out, dq, dk, dv at N = n (its first call there: this compiles ours)
+    against float64 ``reference_attention``: the dilated config, or exact attention for
+    ``EXACT``. Rel. errors by implementation and tensor."""
+    q, k, v, grad_out = inputs(n)
+    errors = {}
+    for dilated in (True, False):
+        options = {"segment_lengths": SEGMENTS, "dilation_rates": RATES} if dilated else {}
+        expected = _common.reference(q, k, v, grad_out, is_causal=causal, **options)
+        for name, fn in impls.items():
+            if (name not in EXACT) == dilated:
+                errors[name] = _common.errors(_common.forward_backward(fn, q, k, v, grad_out), expected)
+    return errors
 
 
 def compiled_sdpa(causal: bool, **options) -> Callable:
@@ -173,14 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     ours_exact = compiled_sdpa(causal)
     eager = lambda q, k, v: eager_dilated(q, k, v, SEGMENTS, RATES, causal)  # noqa: E731
     dense = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    eager_diff = check_eager_matches(ours, causal)
-    print(f"eager vs ours at N = 8192: max rel. difference {eager_diff:.1e}", flush=True)
-    if eager_diff > 1e-4:
-        print("the eager version does not compute the same function: stopping")
-        return 1
-
     impls = {"ours": (ours, None), "eager": (eager, opts.eager_max), "dense": (dense, opts.dense_max),
              "ours exact": (ours_exact, opts.dense_max)}  # fmt: skip
+
+    n_check = min(opts.seq)  # every implementation timed at all is timed there
+    timed = {name: fn for name, (fn, limit) in impls.items() if limit is None or n_check <= limit}
+    errors = check(timed, n_check, causal)
+    worst = ", ".join(f"{name} {max(e.values()):.1e}" for name, e in errors.items())
+    print(
+        f"checked at N = {n_check} (the smallest N timed) against float64 reference_attention, "
+        f"out/dq/dk/dv, max rel. error: {worst}",
+        flush=True,
+    )
+    bad = {name: {t: x for t, x in e.items() if not x <= _common.TOLERANCE} for name, e in errors.items()}
+    failed = {name: e for name, e in bad.items() if e}
+    if failed:
+        print(f"above {_common.TOLERANCE:g}, stopping before timing: {failed}")
+        return 1
     rows, raw = [], []
     for n in opts.seq:
         got = {}
@@ -221,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "setup": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
                   "causal": causal, "segment_lengths": SEGMENTS, "dilation_rates": RATES,
-                  "repeats": opts.repeats, "mm_gflops": peak, "eager_vs_ours_max_rel_diff": eager_diff,
+                  "repeats": opts.repeats, "mm_gflops": peak,
+                  "check": {"N": n_check, "why": "the smallest N timed (each N compiles its own graph)",
+                            "reference": "ring_rewrite.reference.reference_attention, float64",
+                            "tolerance": _common.TOLERANCE, "rel_err": errors},
                   "memory": "VmHWM increase over VmRSS before one forward+backward" if memory else None},
         "targets": [{"line": line, "met": met} for line, met in targets.items()],
         "rows": rows,

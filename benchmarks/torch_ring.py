@@ -60,10 +60,8 @@ import ring_rewrite
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 SEQ_DIM = 2
 SEED = 0
-TOLERANCE = 1e-5  # max rel. error of out, dq, dk, dv against the float64 reference
 TARGET = 1.0  # ours / torch's best, forward + backward, at P = 2
 ROTATES = {"allgather": cp._RotateMethod.ALL_GATHER, "alltoall": cp._RotateMethod.ALL_TO_ALL}
-TENSORS = ("out", "dq", "dk", "dv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +100,7 @@ def headline(causal: bool) -> Variant:
 
 def global_inputs(n: int) -> list[torch.Tensor]:
     """q, k, v, grad_out of the whole sequence, the same on every rank."""
-    gen = torch.Generator().manual_seed(SEED)
-    return [torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=gen) for _ in range(4)]
+    return _common.sequence_inputs((BATCH, HEADS, n, HEAD_DIM), SEED)
 
 
 def reference(n: int, causal: bool) -> dict[str, torch.Tensor]:
@@ -112,18 +109,7 @@ def reference(n: int, causal: bool) -> dict[str, torch.Tensor]:
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    return dict(zip(TENSORS, (out.detach(), *grads)))
-
-
-def local(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """This rank's shard of a whole-sequence tensor, as its own contiguous tensor."""
-    return ring_rewrite.shard(x, SEQ_DIM, layout=layout).clone(memory_format=torch.contiguous_format)
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max-abs error / max-abs value (SPEC §5)."""
-    scale = expected.abs().max().clamp_min(1e-30)
-    return ((actual.double() - expected).abs().max() / scale).item()
+    return dict(zip(_common.TENSORS, (out.detach(), *grads)))
 
 
 # ---- the two implementations -----------------------------------------------------------------
@@ -204,7 +190,7 @@ class Prepared:
 def prepare(variant: Variant, causal: bool, inputs: list[torch.Tensor], ref: dict, opts: dict) -> Prepared:
     """Check one variant on this rank against the reference (its first step, which also
     compiles ours' forward and backward)."""
-    q, k, v, dout = (local(x, variant.layout) for x in inputs)
+    q, k, v, dout = (_common.local(x, variant.layout) for x in inputs)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     attend = attention(variant, causal, opts["compiler"])
 
@@ -221,12 +207,9 @@ def prepare(variant: Variant, causal: bool, inputs: list[torch.Tensor], ref: dic
             raise
         return Prepared({**record, "refused": f"{type(e).__name__}: {e}"})  # before any collective
     record["first_step_s"] = time.perf_counter() - t0
-    errors = {name: rel_err(x, local(ref[name], variant.layout)) for name, x in zip(TENSORS, first)}
-    bad = {name: e for name, e in errors.items() if not e <= TOLERANCE}
-    if bad:
-        raise AssertionError(
-            f"{variant.name}, causal={causal}, rank {dist.get_rank()}: rel. error {bad} > {TOLERANCE}"
-        )
+    expected = {name: _common.local(ref[name], variant.layout) for name in _common.TENSORS}
+    errors = _common.errors(dict(zip(_common.TENSORS, first)), expected)
+    _common.require(errors, f"{variant.name}, causal={causal}, rank {dist.get_rank()}")
     record.update(rel_err=errors, fwd_s=[], fwd_bwd_s=[])
     return Prepared(record, attend, step, (q, k, v))
 
@@ -427,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "seq": seq, "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
             "repeats": repeats, "compiler": opts.compiler, "ranks": opts.ranks, "seed": SEED,
-            "tolerance": TOLERANCE, "ours": "ring_rewrite.backend(sharding='sharded', layout=...)",
+            "tolerance": _common.TOLERANCE, "ours": "ring_rewrite.backend(sharding='sharded', layout=...)",
             "torch": "_templated_ring_attention(_backward), CPU flash kernels, eager",
             "reference": "float64 F.scaled_dot_product_attention over the whole sequence",
             "memory": "VmHWM increase over VmRSS before one forward+backward",

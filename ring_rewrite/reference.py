@@ -1,8 +1,9 @@
 """Dense float64 reference of SPEC §2 (the log-count bias form). Slow and O(N^2): for tests and the
-training demo's first-loss check."""
+training demo's first-step check."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -72,26 +73,19 @@ def reference_attention(
         return _attend(q, k, v, counts, key_bias, scale)
     if query_chunk < 1:
         raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+    grads = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outs = []
     for start in range(0, n, query_chunk):
-        stop = min(start + query_chunk, n)
-        keys = stop if is_causal else n  # causal: no key after the chunk's last query is connected
-        counts = _counts(start, stop, keys, hq, branches, is_causal=is_causal, device=q.device)
-        # Keys no query of the chunk connects to (for any head) only add exp(-inf) = 0: drop them.
-        used = (counts.amax(dim=(0, 1)) > 0).nonzero().squeeze(1)
-        if used.numel() == 0:  # no query of the chunk attends to anything: zeros (SPEC §2)
-            outs.append(q.new_zeros(b, hq, stop - start, v.shape[-1]))
-            continue
-        bias = key_bias
-        if bias is not None and bias.shape[-1] == n:
-            bias = bias[..., used]
-        ks, vs = k[:, :, used], v[:, :, used]
-        chunk = (q[:, :, start:stop], ks, vs, counts[:, :, used], bias, scale)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            # Recomputed in the backward: the scores of one chunk at a time, there too.
-            outs.append(torch.utils.checkpoint.checkpoint(_attend, *chunk, use_reentrant=False))
+        chunk = functools.partial(
+            _attend_rows, start=start, stop=min(start + query_chunk, n), branches=branches,
+            is_causal=is_causal, scale=scale,
+        )  # fmt: skip
+        if grads:
+            # Recomputed in the backward (counts and gathered keys too): one chunk's scores at a
+            # time there as well, and nothing of size (queries x keys) saved.
+            outs.append(torch.utils.checkpoint.checkpoint(chunk, q, k, v, key_bias, use_reentrant=False))
         else:
-            outs.append(_attend(*chunk))
+            outs.append(chunk(q, k, v, key_bias))
     return torch.cat(outs, dim=2)
 
 
@@ -124,6 +118,21 @@ def _counts(
                 connected &= t <= p
             counts[o::r, i0::r, o::r] += connected
     return counts
+
+
+def _attend_rows(q, k, v, key_bias, *, start, stop, branches, is_causal, scale) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the chunked reference: only the keys one of them connects to."""
+    b, hq, n, _ = q.shape
+    keys = stop if is_causal else n  # causal: no key after the chunk's last query is connected
+    counts = _counts(start, stop, keys, hq, branches, is_causal=is_causal, device=q.device)
+    # Keys no query of the chunk connects to (for any head) only add exp(-inf) = 0: drop them.
+    used = (counts.amax(dim=(0, 1)) > 0).nonzero().squeeze(1)
+    if used.numel() == 0:  # no query of the chunk attends to anything: zeros (SPEC §2)
+        return q.new_zeros(b, hq, stop - start, v.shape[-1])
+    if key_bias is not None and key_bias.shape[-1] == n:
+        key_bias = key_bias[..., used]
+    qs, ks, vs = q[:, :, start:stop], k[:, :, used], v[:, :, used]
+    return _attend(qs, ks, vs, counts[:, :, used], key_bias, scale)
 
 
 def _attend(q, k, v, counts, key_bias, scale) -> torch.Tensor:
