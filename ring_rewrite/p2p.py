@@ -386,8 +386,10 @@ def inductor_lowering() -> dict:
     def _(xs, token, group_name, send_to, recv_from, tag):
         sent = [ir.ExternKernel.require_contiguous(x) for x in xs]
         started = start_kernel(sent, token, group_name, send_to, recv_from, tag)
-        mark = len(V.graph.operations)
-        in_flight.setdefault(V.graph, {})[tag] = (sent, started.get_name(), mark)
+        pending = in_flight.setdefault(V.graph, {})
+        if tag in pending:  # two sites' transfers interleaved in one graph: not ours to pair
+            raise RuntimeError(f"ring_rewrite: transfer tag {tag} started twice in one graph")
+        pending[tag] = (sent, started.get_name(), len(V.graph.operations))
         return started
 
     @register_lowering(wait_op, type_promotion_kind=None)
