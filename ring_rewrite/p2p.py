@@ -41,17 +41,19 @@ memory planner hands an input's storage to the next kernel as soon as the input'
 returns (``buf7 = buf4; del buf4  # reuse``), and when a view feeds two custom ops it may
 materialise it once per op. Both happened: the K/V sent at step 0 were reused for the next
 block's gathers while still in flight, and the wait was given a second copy; at P = 2 and 4,
-every branch of rate > 1 came out wrong under inductor only. So, by construction:
+ring branches (exact attention too) came out wrong under inductor only. So, by construction:
 
 * **received** tensors are allocated inside ``ring_shift_start`` and reach the graph only as
   ``ring_shift_wait``'s outputs: no compiled code can see them, let alone reuse them, in flight;
 * **sent** tensors are read again by ``ring_shift_wait`` (its ``xs``), so the planner keeps them
   alive and unwritten until the wait, provided both ops get one buffer. Under inductor that is
   made so, not hoped for: ``inductor_lowering`` lowers the wait onto the very buffers its start
-  was lowered onto (by tag), whatever its own ``xs`` argument lowered to. No copy is added:
-  what the start sends is what inductor would have materialised for it anyway. (A ``clone`` in
-  the graph did not do it: inductor dropped the clone of a contiguous tensor and still
-  materialised the gather once per consumer.) Eager and ``aot_eager`` pass the same tensors;
+  was lowered onto (by tag), whatever its own ``xs`` argument lowered to, and schedules what is
+  lowered between the two after the start (so the overlap survives the peak-memory reordering).
+  No copy is added: what the start sends is what inductor would have materialised for it
+  anyway. (A ``clone`` in the graph did not do it: inductor dropped the clone of a contiguous
+  tensor and still materialised the gather once per consumer.) Eager and ``aot_eager`` pass the
+  very tensors the start sent;
 * ``ring_shift_wait`` checks that it got the very buffer its start sent (a pointer compare, on
   always), and raises otherwise, naming the transfer, instead of sending overwritten memory;
 * ``RING_REWRITE_CHECK_TRANSFERS=1`` (every rank) also fingerprints each message at its start,
@@ -64,7 +66,7 @@ inductor knows keeps the sent buffer alive: its tags are graph constants (a shar
 name its site, a call cannot name itself), it carries no token, so the order of independent
 rings rests on inductor's own comm ordering, and its wait takes one tensor, so nothing pins it
 after the compute it should overlap (FINDINGS.md saw it placed before). Our ops keep all three
-and get the lifetimes from the two rules above, checked at run time and in ``tests/``, which
+and get the lifetimes from the rules above, checked at run time and in ``tests/``, which
 read inductor's generated code.
 
 A site call that raised between a start and its wait leaves the transfer pending; the next
@@ -240,12 +242,7 @@ def ring_shift_wait(
         raise RuntimeError(
             f"ring_rewrite: transfer {name} is not pending (waited before its start, or twice)"
         )
-    try:
-        for work in pending.works:
-            work.wait()
-    except BaseException:
-        _ABANDONED.append(pending)  # gloo may still write into its buffers: never free them
-        raise
+    _finish(pending)
     for i, (x, address) in enumerate(zip(xs, pending.given)):
         if address is not None and x.data_ptr() != address:
             raise RuntimeError(
@@ -307,10 +304,20 @@ def _drain(site: int) -> None:
             pending.name,
         )
         try:
-            for work in pending.works:
-                work.wait()
+            _finish(pending)
         except Exception:  # noqa: BLE001  (the peer is gone; the next transfer will say so)
-            _ABANDONED.append(pending)
+            pass
+
+
+def _finish(pending: _Pending) -> None:
+    """Wait for ``pending``'s messages. If that fails, its buffers are kept for good: gloo may
+    still write into them."""
+    try:
+        for work in pending.works:
+            work.wait()
+    except BaseException:
+        _ABANDONED.append(pending)
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,11 +342,10 @@ class Rotater:
 
     def start(self, xs: list, send_to: int, recv_from: int, tag: int) -> InFlight:
         """Start sending ``xs`` to ``send_to`` and receiving their like from ``recv_from``."""
-        sent = list(xs)
         self.token = torch.ops.ring_rewrite.ring_shift_start(
-            sent, self.token, self.group_name, send_to, recv_from, tag
+            xs, self.token, self.group_name, send_to, recv_from, tag
         )
-        return InFlight(sent, tag)
+        return InFlight(list(xs), tag)
 
     def wait(self, flight: InFlight, after: list = ()) -> list:
         """What arrived for ``flight``, once ``after`` (the compute it overlaps) is done."""
