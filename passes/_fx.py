@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ring_rewrite._roles import current
+from ring_rewrite.roles import current
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _LOCAL = re.compile(r"^L\['[^']*'\]\.?")  # dynamo's name of the compiled module: L['self'].

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ring_rewrite._roles import role
+from ring_rewrite.roles import role
 from ring_rewrite.config import RingDilatedConfig
 
 from ._fx import RoleTracer, emit, location

@@ -41,7 +41,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
 
-from ring_rewrite._roles import role
+from ring_rewrite.roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group

@@ -39,7 +39,7 @@ import dataclasses
 
 import torch
 
-from ._roles import role
+from .roles import role
 from .layout import assemble, take_shard
 from .merge import merge_partials
 from .p2p import DKV, GATHER, KV, KV_BACK, Rotater, transfer_tag

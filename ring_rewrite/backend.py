@@ -43,7 +43,7 @@ class RingDilatedBackend:
         self.records: list[Any] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
-        from passes import decompose_attention_modules, rewrite_sdpa
+        from .passes import decompose_attention_modules, rewrite_sdpa
 
         from .p2p import inductor_lowering
 

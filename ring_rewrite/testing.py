@@ -52,7 +52,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from tabulate import tabulate
 
-from passes._fx import location
+from .passes import location
 
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig

@@ -11,16 +11,16 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import ring_rewrite
-from passes import UnsupportedSiteError
-from passes.decompose_mha import (
+from ring_rewrite import RingDilatedConfig, reference_attention
+from ring_rewrite.passes import UnsupportedSiteError
+from ring_rewrite.passes.decompose_mha import (
     ENCODER_LAYER,
     MHA,
     decompose_attention_modules,
     find_attention_module_sites,
     unsupported_reason,
 )
-from passes.find_sdpa import SDPA_TARGETS
-from ring_rewrite import RingDilatedConfig, reference_attention
+from ring_rewrite.passes.find_sdpa import SDPA_TARGETS
 
 from conftest import Capture, rel_err
 

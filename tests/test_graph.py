@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
 
-from passes import UnsupportedSiteError, rewrite_sdpa
-from passes.find_sdpa import SDPA_TARGETS
 from ring_rewrite import RingDilatedConfig, testing
+from ring_rewrite.passes import UnsupportedSiteError, rewrite_sdpa
+from ring_rewrite.passes.find_sdpa import SDPA_TARGETS
 from ring_rewrite.testing import assert_expected_graph, assert_left_alone, assert_rewritten, site_body
 
 from conftest import Capture

@@ -32,7 +32,8 @@ from ring_rewrite.testing import (
 
 pytest_plugins = ["pytester"]
 
-REWRITE = importlib.import_module("passes.rewrite_sdpa")  # `passes.rewrite_sdpa` is the function
+# The module, not the function of the same name that ``ring_rewrite.passes`` exports.
+REWRITE = importlib.import_module("ring_rewrite.passes.rewrite_sdpa")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "test_graph_diff_example.py"
 CONFIG = {"segment_lengths": [8, 32], "dilation_rates": [1, 2]}
@@ -430,7 +431,7 @@ def test_assert_rewritten_counts_a_module_left_alone():
 def test_site_named_by_module_path_without_a_user_frame():
     """Inside a library module (nn.TransformerEncoder, say) dynamo keeps no user frame: the site
     is named by its module path, the same way in the records and in the graph checks."""
-    from passes._fx import location
+    from ring_rewrite.passes import location
 
     node = torch.fx.Graph().placeholder("x")
     node.meta["stack_trace"] = ""
