@@ -61,12 +61,13 @@ from ring_rewrite.config import RingDilatedConfig
 
 from ._fx import RoleTracer, emit, location
 from .find_sdpa import SDPA_TARGETS, _static_shape
-from .rewrite_sdpa import SiteRecord, UnsupportedSiteError
+from .records import leave_alone, records
 
 __all__ = [
     "ModuleSite",
     "decompose_attention_modules",
     "find_attention_module_sites",
+    "leave_attention_modules_alone",
     "unsupported_reason",
 ]
 
@@ -242,23 +243,11 @@ def decompose_attention_modules(
         reason = unsupported_reason(site)
         if reason is None:
             todo.append(site)
-            continue
-        if config.strict or _sharded(config):
-            # NOTE: in sharded mode a module left alone attends within the local shard only: a
-            # different function, so it is always an error there (SPEC §2), as in rewrite_sdpa.
-            why = "sharded mode cannot leave it alone: " if not config.strict else ""
-            raise UnsupportedSiteError(
-                f"ring_dilated: {site.kind} at {site.location} cannot be decomposed into SDPA: "
-                f"{why}{reason}"
-            )
-        counters["ring_rewrite"]["skipped"] += 1
-        records = gm.meta.setdefault("ring_rewrite_sites", [])
-        index = len(records)
-        records.append(SiteRecord(index, site.location, site.kind, site.shapes, reason=reason))
+        else:
+            _leave_alone(gm, config, site, reason)
     if not todo:
         return gm
-    first = len(gm.meta.get("ring_rewrite_sites", ()))
-    ids = _sdpa_site_ids(gm, {site.node for site in todo}, first)
+    ids = _sdpa_site_ids(gm, {site.node for site in todo}, len(records(gm)))
     for site in todo:
         site = bind_module_site(site.node)  # its inputs may be modules decomposed just now
         _decompose(gm, site, ids[site.node])
@@ -268,12 +257,17 @@ def decompose_attention_modules(
     return gm
 
 
-def _sharded(config: RingDilatedConfig) -> bool:
-    if config.sharding != "sharded":
-        return False
-    from ring_rewrite.p2p import resolve_group
+def leave_attention_modules_alone(gm: fx.GraphModule, *, config: RingDilatedConfig, reason: str) -> None:
+    """What the pass does when it is disabled: every attention-module node stays, with ``reason``."""
+    for site in find_attention_module_sites(gm):
+        _leave_alone(gm, config, site, reason)
 
-    return resolve_group(config.group)[1] > 1
+
+def _leave_alone(gm: fx.GraphModule, config: RingDilatedConfig, site: ModuleSite, reason: str) -> None:
+    leave_alone(
+        gm, config, what=site.kind, fate="be decomposed into SDPA", location=site.location,
+        kind=site.kind, shapes=site.shapes, reason=reason,
+    )  # fmt: skip
 
 
 def _sdpa_site_ids(gm: fx.GraphModule, nodes: set[fx.Node], first: int) -> dict[fx.Node, int]:

@@ -41,49 +41,31 @@ import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
 
-from ring_rewrite.roles import role
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group
+from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
 from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, static_strides, unsupported_reason
+from .records import TOUCHED, SiteRecord, leave_alone, records
 
-__all__ = ["rewrite_sdpa", "SiteRecord", "UnsupportedSiteError"]
+__all__ = ["rewrite_sdpa"]
 
-
-class UnsupportedSiteError(RuntimeError):
-    """An SDPA site that cannot be rewritten where leaving it alone is not allowed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteRecord:
-    """What the pass did with one attention site (one row of the report)."""
-
-    site: int
-    location: str
-    kind: str
-    shapes: dict[str, Any]
-    reason: str | None = None
-    plan: SitePlan | None = None
-
-    @property
-    def rewritten(self) -> bool:
-        return self.plan is not None
+NAME = "rewrite_sdpa"
 
 
 def rewrite_sdpa(
     gm: fx.GraphModule, example_inputs: Any = None, *, config: RingDilatedConfig
 ) -> fx.GraphModule:
     """Rewrite every supported SDPA site of ``gm`` in place; records land in ``gm.meta``."""
-    records: list[SiteRecord] = list(gm.meta.get("ring_rewrite_sites", ()))
+    sites = records(gm)
     group, world, rank = resolve_group(config.group)
-    sharded = config.sharding == "sharded" and world > 1
     rewritten = 0
     bodies: dict = {}  # traced site bodies by plan (Note [One body per plan])
     for node in [site.node for site in find_sdpa_sites(gm)]:
         site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
-        index = len(records)
+        index = len(sites)
         reason = unsupported_reason(site)
         plan = None
         if reason is None:
@@ -95,23 +77,18 @@ def rewrite_sdpa(
                 except ValueError as error:
                     reason = str(error)
         if plan is None:
-            if config.strict or sharded:
-                # NOTE: in sharded mode an SDPA left alone would attend within the local shard
-                # only: a different function. So it is always an error there (SPEC §2).
-                why = "sharded mode cannot leave it alone: " if sharded and not config.strict else ""
-                raise UnsupportedSiteError(
-                    f"ring_dilated: SDPA at {site.location} cannot be rewritten: {why}{reason}"
-                )
-            counters["ring_rewrite"]["skipped"] += 1
-            records.append(SiteRecord(index, site.location, "sdpa", site.shapes, reason=reason))
+            leave_alone(
+                gm, config, what="SDPA", fate="be rewritten", location=site.location,
+                kind="sdpa", shapes=site.shapes, reason=reason,
+            )  # fmt: skip
             continue
+        passes = (*node.meta.get(TOUCHED, ()), NAME)
         _rewrite_site(gm, site, plan, index, bodies)
         counters["ring_rewrite"]["rewritten"] += 1
-        records.append(SiteRecord(index, site.location, "sdpa", site.shapes, plan=plan))
+        sites.append(SiteRecord(index, site.location, "sdpa", site.shapes, plan=plan, passes=passes))
         rewritten += 1
-    gm.meta["ring_rewrite_sites"] = records
     if world > 1:
-        check_agreement(group, [_agreement_key(r) for r in records])
+        check_agreement(group, [_agreement_key(r) for r in sites])
     if rewritten:
         gm.graph.lint()
         gm.recompile()

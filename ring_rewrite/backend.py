@@ -12,6 +12,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .config import RingDilatedConfig
+from .p2p import inductor_lowering
+from .passes import check_disabled, run_passes
 
 __all__ = ["backend", "ring_dilated", "ring_dilated_backend", "RingDilatedBackend"]
 
@@ -30,7 +32,7 @@ T = TypeVar("T")
 
 
 class RingDilatedBackend:
-    """A dynamo backend: decompose attention modules, rewrite SDPA sites, lower the graph.
+    """A dynamo backend: the passes (``passes/pipeline.py``), then the lowering compiler.
 
     ``records`` collects one ``SiteRecord`` per attention site of every graph it compiled.
     ``inner``, a dynamo backend, replaces ``config.compiler`` for the lowering (tests use it
@@ -39,21 +41,17 @@ class RingDilatedBackend:
 
     def __init__(self, config: RingDilatedConfig | None = None, *, inner: Callable | None = None) -> None:
         self.config = config or RingDilatedConfig()
+        check_disabled(self.config)
         self.inner = inner
         self.records: list[Any] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
-        from .passes import decompose_attention_modules, rewrite_sdpa
-
-        from .p2p import inductor_lowering
-
         inductor_lowering()  # whichever compiler lowers the graph, inductor must know the ring
         config = self.config
         if kwargs.get("options") is not None:
             config = RingDilatedConfig.from_options(kwargs["options"])
         graph_log.debug("%s", lazy_print(gm, "before ring_dilated rewrite"))
-        gm = decompose_attention_modules(gm, example_inputs, config=config)
-        gm = rewrite_sdpa(gm, example_inputs, config=config)
+        gm = run_passes(gm, example_inputs, config=config)
         graph_log.debug("%s", lazy_print(gm, "after ring_dilated rewrite"))
         self.records.extend(gm.meta.get("ring_rewrite_sites", ()))
         if self.inner is not None:
@@ -70,8 +68,6 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any], compiler: str):
         return aot_eager(gm, example_inputs)
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
-
-    from .p2p import inductor_lowering
 
     # NOTE: a user's own post-grad pass keys the FX graph cache instead of ours.
     patches = {} if inductor_config.post_grad_custom_post_pass else inductor_lowering()

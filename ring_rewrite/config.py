@@ -47,6 +47,10 @@ class RingDilatedConfig:
     strict: bool = False
     """Raise instead of leaving an unsupported SDPA site alone."""
 
+    disable_passes: tuple[str, ...] = ()
+    """Normalising passes not to run, by name (``passes/pipeline.py``: ``"attention_modules"``
+    spells ``nn.MultiheadAttention`` out as SDPA). The SDPA rewrite always runs."""
+
     def __post_init__(self) -> None:
         seg, rates = self.segment_lengths, self.dilation_rates
         if (seg is None) != (rates is None):
@@ -91,6 +95,13 @@ class RingDilatedConfig:
             raise ValueError(
                 f"compiler must be 'inductor', 'aot_eager' or 'eager', got {self.compiler!r}"
             )
+        if isinstance(self.disable_passes, str) or not all(
+            isinstance(name, str) for name in self.disable_passes
+        ):
+            raise ValueError(
+                f"disable_passes must be a sequence of pass names, got {self.disable_passes!r}"
+            )
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict must be a bool, got {self.strict!r}")
         if self.group is not None and not _is_group(self.group):

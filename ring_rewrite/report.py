@@ -128,6 +128,7 @@ class Report:
                 "site": r.site,
                 "where": r.location,
                 "kind": r.kind,
+                "passes": ", ".join(r.passes) or "-",
                 "q / k / v": " ".join(_shape(r.shapes.get(n)) for n in ("query", "key", "value")),
             }
             if r.plan is None:

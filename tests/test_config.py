@@ -33,6 +33,8 @@ def test_lists_become_tuples():
         ({"compiler": "tvm"}, "compiler"),
         ({"strict": "yes"}, "strict"),
         ({"group": 3}, "group"),
+        ({"disable_passes": "attention_modules"}, "disable_passes must be a sequence"),
+        ({"disable_passes": [1]}, "disable_passes must be a sequence"),
     ],
 )
 def test_invalid_fields_name_the_problem(fields, message):

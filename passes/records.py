@@ -1,0 +1,68 @@
+"""What the passes did with each attention site: one ``SiteRecord`` per site, in
+``gm.meta["ring_rewrite_sites"]``, and the one rule for a site that must stay as it is."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+from torch._dynamo.utils import counters
+
+from ring_rewrite.attention import SitePlan
+from ring_rewrite.config import RingDilatedConfig
+from ring_rewrite.p2p import resolve_group
+
+__all__ = ["SiteRecord", "TOUCHED", "UnsupportedSiteError", "leave_alone", "records", "sharded"]
+
+TOUCHED = "ring_rewrite_passes"
+"""``node.meta`` key of an SDPA node: the normalising passes that made or changed it."""
+
+
+class UnsupportedSiteError(RuntimeError):
+    """An attention site that cannot be rewritten where leaving it alone is not allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteRecord:
+    """What the passes did with one attention site (one row of the report)."""
+
+    site: int
+    location: str
+    kind: str
+    shapes: dict[str, Any]
+    reason: str | None = None
+    plan: SitePlan | None = None
+    passes: tuple[str, ...] = ()
+    """The passes that changed the site, in pipeline order (``passes/pipeline.py``)."""
+
+    @property
+    def rewritten(self) -> bool:
+        return self.plan is not None
+
+
+def records(gm: fx.GraphModule) -> list[SiteRecord]:
+    """The graph's site records so far (the list itself: passes append to it)."""
+    return gm.meta.setdefault("ring_rewrite_sites", [])
+
+
+def sharded(config: RingDilatedConfig) -> bool:
+    """Whether the model runs on sequence shards of more than one rank."""
+    return config.sharding == "sharded" and resolve_group(config.group)[1] > 1
+
+
+def leave_alone(
+    gm: fx.GraphModule, config: RingDilatedConfig, *, what: str, fate: str, location: str,
+    kind: str, shapes: dict[str, Any], reason: str,
+) -> None:  # fmt: skip
+    """Record a site that stays as it is, or raise where that is not allowed.
+
+    NOTE: in sharded mode a site left alone would attend within the local shard only: a
+    different function. So it is always an error there (SPEC §2), as with ``strict``.
+    """
+    if config.strict or sharded(config):
+        why = "" if config.strict else "sharded mode cannot leave it alone: "
+        raise UnsupportedSiteError(f"ring_dilated: {what} at {location} cannot {fate}: {why}{reason}")
+    counters["ring_rewrite"]["skipped"] += 1
+    sites = records(gm)
+    sites.append(SiteRecord(len(sites), location, kind, shapes, reason=reason))
