@@ -15,6 +15,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import guard_int
 
+from ring_rewrite import kernels
+
 from ._fx import location
 
 __all__ = ["SdpaSite", "bind_sdpa", "find_sdpa_sites", "unsupported_reason", "SDPA_TARGETS"]
@@ -22,7 +24,6 @@ __all__ = ["SdpaSite", "bind_sdpa", "find_sdpa_sites", "unsupported_reason", "SD
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +95,9 @@ def unsupported_reason(site: SdpaSite) -> str | None:
         return "query/key/value have no example value in the graph"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"inputs are {q.dim()}-D, not (B, H, N, D)"
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (need one of float16, bfloat16, float32, float64)"
-    if q.device.type != "cpu":
-        return f"device {q.device.type!r}: only the CPU block kernel is wired up"
+    reason = kernels.unsupported_reason(q, k, v)
+    if reason is not None:
+        return reason
     qs, ks, vs = (_static_shape(t) for t in (q, k, v))
     if qs[2] != ks[2] or ks[2] != vs[2]:
         return f"query length {qs[2]} != key/value length {ks[2]}/{vs[2]} (cross attention or KV cache)"

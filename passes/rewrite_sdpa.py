@@ -123,6 +123,7 @@ def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: i
         d=d,
         dv=dv,
         dtype=site.meta(site.query).dtype,
+        device=site.meta(site.query).device.type,
         scale=d**-0.5 if site.scale is None else float(site.scale),
         is_causal=bool(site.is_causal),
         has_mask=site.attn_mask is not None,

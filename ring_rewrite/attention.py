@@ -39,10 +39,11 @@ import dataclasses
 
 import torch
 
-from .roles import role
+from .kernels import block_kernel
 from .layout import assemble, take_shard
 from .merge import merge_partials
-from .p2p import DKV, GATHER, KV, KV_BACK, Rotater, transfer_tag
+from .p2p import DKV, KV, KV_BACK, Ring, Rotater
+from .roles import role
 from .schedule import Block, BranchPlan, plan_branch
 
 __all__ = ["SitePlan", "site_forward", "site_backward"]
@@ -66,6 +67,8 @@ class SitePlan:
     d: int
     dv: int
     dtype: torch.dtype
+    device: str
+    """Device type of the inputs: which block kernel runs (``kernels.py``)."""
     scale: float
     is_causal: bool
     has_mask: bool
@@ -78,8 +81,8 @@ class SitePlan:
 
     @classmethod
     def build(
-        cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, scale, is_causal, has_mask, branches,
-        world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
+        cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
+        branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
     ):  # fmt: skip
         plans = tuple(
             plan_branch(
@@ -89,15 +92,14 @@ class SitePlan:
             for w, r in branches
         )
         return cls(
-            site, batch, hq, hkv, n, d, dv, dtype, scale, is_causal, has_mask,
+            site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
             world, rank, group_name, sharding, layout, plans,
         )  # fmt: skip
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """Blocks run in float32 for half inputs: on CPU the half kernels are no faster, and each
-        branch's result would otherwise be rounded before the merge (SPEC §5)."""
-        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+        """What the blocks compute in: the device's block kernel says (``kernels.py``)."""
+        return block_kernel(self.device).compute_dtype(self.dtype)
 
     @property
     def n_local(self) -> int:
@@ -107,10 +109,6 @@ class SitePlan:
     def gathers(self) -> bool:
         """Replicated mode across ranks: take the local shard, re-assemble the full result."""
         return self.world > 1 and self.sharding == "replicated"
-
-    def tag(self, branch: int, kind: int, step: int, chunk: int = 0) -> int:
-        """A transfer's tag within the site (``p2p.transfer_tag``)."""
-        return transfer_tag(branch, kind, step, chunk)
 
     def head_chunks(self, branch: BranchPlan) -> int:
         """How many head chunks a ring branch runs in, one after another (Note [Head chunks]):
@@ -137,8 +135,8 @@ def _local(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
     return take_shard(x, 2, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
 
 
-def _gather(plan: SitePlan, ring: Rotater, x: torch.Tensor, tag: int, same=None):
-    stacked = ring.all_gather(x, plan.world, tag, same)
+def _gather(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int, same=None):
+    stacked = rotater.all_gather(x, plan.world, index, same)
     return assemble(stacked, 2, plan.n_local, world=plan.world, layout=plan.layout)
 
 
@@ -185,9 +183,8 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block, heads: 
     return rows
 
 
-def _shift(ring: Rotater, branch: BranchPlan, xs: list[torch.Tensor], tag: int):
-    """Start sending ``xs`` one step along the branch's ring."""
-    return ring.start(xs, branch.send_to, branch.recv_from, tag)
+def _ring(rotater: Rotater, i: int, branch: BranchPlan) -> Ring:
+    return rotater.ring(i, branch.send_to, branch.recv_from)
 
 
 def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
@@ -246,7 +243,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
         if moves:
             # NOTE: the next K/V start moving before this step's compute and arrive after it.
             with role("p2p", branch=i, step=step):
-                flight = _shift(ring, branch, kv, plan.tag(i, KV, step, c))
+                flight = ring.start(kv, KV, step, c)
         computed = []
         for blk in blocks:
             with role("attention", branch=i, step=step):
@@ -287,7 +284,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
     """``(q, k, v[, mask][, token]) -> (out, saved)``; ``mask`` is an additive key bias
     ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
     transfers (``p2p.site_token``)."""
-    ring = Rotater(plan.group_name, token)
+    rotater = Rotater(plan.group_name, token)
     with role("shard"):
         ql, kl, vl = _local(plan, q), _local(plan, k), _local(plan, v)
     outs, lses = [], []
@@ -303,18 +300,18 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
                     qd, kd, vd, bias, plan.scale, plan.is_causal
                 )
         else:
-            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias)
+            od, lsed = _ring_forward(plan, _ring(rotater, i, branch), i, branch, qd, kd, vd, bias)
         with role("undilate", branch=i):
             outs.append(layout.undilate_q(od))
             lses.append(layout.undilate_q(lsed.unsqueeze(-1), _NEG_INF).squeeze(-1))
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse] + [x for x in (mask, ring.token) if x is not None]
+    saved = [q, k, v, out, lse] + [x for x in (mask, rotater.token) if x is not None]
     if plan.gathers:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
-            out = _gather(plan, ring, out, plan.tag(0, GATHER, 0), _probe(plan, q))
+            out = _gather(plan, rotater, out, 0, _probe(plan, q))
     return out, saved
 
 
@@ -375,7 +372,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
     for step, blocks in enumerate(branch.steps):
         if step < last:
             with role("p2p", branch=i, step=step):
-                kv_flight = _shift(ring, branch, kv, plan.tag(i, KV_BACK, step, c))
+                kv_flight = ring.start(kv, KV_BACK, step, c)
         dk_parts: list = [None] * layout.nseg
         dv_parts: list = [None] * layout.nseg
         computed = []
@@ -420,7 +417,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
                     dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
         if step > 0:
             with role("p2p", branch=i, step=step):
-                dkv_flight = _shift(ring, branch, dkv, plan.tag(i, DKV, step, c))
+                dkv_flight = ring.start(dkv, DKV, step, c)
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv = ring.wait(kv_flight, computed)
@@ -438,7 +435,7 @@ def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask and the
     token)."""
-    ring = Rotater(plan.group_name, token)
+    rotater = Rotater(plan.group_name, token)
     with role("shard"):
         ql, kl, vl, dol = (_local(plan, x) for x in (q, k, v, dout))
     dq = dk = dv = None
@@ -455,7 +452,9 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
                     dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal
                 )
         else:
-            dqd, dkd, dvd = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias)
+            dqd, dkd, dvd = _ring_backward(
+                plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias
+            )
         with role("undilate", branch=i):
             dq = _acc(dq, layout.undilate_q(dqd))
             dk = _acc(dk, layout.accumulate_kv(dkd, plan.d))
@@ -465,5 +464,5 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
     if plan.gathers:
         with role("shard"):
             for j, g in enumerate(grads):
-                grads[j] = _gather(plan, ring, g, plan.tag(0, GATHER, 1 + j))
+                grads[j] = _gather(plan, rotater, g, 1 + j)
     return (*grads, *(None for x in (mask, token) if x is not None))

@@ -5,7 +5,7 @@
 (query head j reads kv head ``j // (Hq // Hkv)``), an optional additive key bias broadcast to
 ``(B, Hq, L, S)``, causal top-left aligned. ``out`` has the input dtype, ``lse`` is float32
 ``(B, Hq, L)`` in natural log and is ``-inf`` for a row with nothing to attend (the CPU flash
-kernel reports 0 there).
+kernel reports 0 there). Each device's kernel comes from ``kernels.py``.
 
 ``block_attention_backward(dout, q, k, v, out, lse, bias, scale, is_causal)`` is the fused
 attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the softmax over every
@@ -16,39 +16,10 @@ block the row attends to), it returns this block's exact share of the gradient (
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .kernels import block_kernel
 
 __all__ = ["block_attention", "block_attention_backward"]
-
-
-def _kernels(device: torch.device):
-    if device.type == "cpu":
-        return (
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        )
-    # NOTE: untested here (no GPU): CUDA goes through the memory-efficient kernel, which takes
-    # a bias and returns lse; see docs/cuda.md in the README's "not supported yet" list.
-    raise NotImplementedError(
-        f"ring_rewrite block attention has no kernel for device {device.type!r} yet "
-        "(only the CPU flash kernel is wired up)"
-    )
-
-
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    """The CPU flash kernels read the last dim as contiguous (aten's SDPA checks this too)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _pad_head_dims(q, k, v):
-    """The CPU flash kernel needs one head size for q, k and v: pad the smaller with zeros."""
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    d, dv = q.shape[-1], v.shape[-1]
-    if d < dv:
-        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
-    elif dv < d:
-        v = F.pad(v, (0, d - dv))
-    return q, k, v
 
 
 def _empty_rows(bias: torch.Tensor, lse_shape: torch.Size, is_causal: bool) -> torch.Tensor:
@@ -75,11 +46,8 @@ def block_attention(
     scale: float,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fwd, _ = _kernels(q.device)
-    dv = v.shape[-1]
-    qp, kp, vp = _pad_head_dims(q, k, v)
-    out, lse = fwd(qp, kp, vp, 0.0, is_causal, attn_mask=bias, scale=scale)
-    out = out[..., :dv].contiguous()
+    out, lse = block_kernel(q.device).forward(q, k, v, bias, scale, is_causal)
+    out = out.contiguous()
     lse = lse.float().contiguous()
     if bias is not None:
         lse = lse.masked_fill(_empty_rows(bias, lse.shape, is_causal), float("-inf"))
@@ -105,23 +73,9 @@ def block_attention_backward(
     scale: float,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, bwd = _kernels(q.device)
-    d, dv = q.shape[-1], v.shape[-1]
-    qp, kp, vp = _pad_head_dims(q, k, v)
-    dout, out = _unit_stride(dout), _unit_stride(out)
-    if dv < d:
-        dout, out = F.pad(dout, (0, d - dv)), F.pad(out, (0, d - dv))
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-    grads = list(bwd(dout, qp, kp, vp, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale))
-    # The kernel's gradients are laid out (B, L, H, D); make each contiguous and drop the
-    # original before the next copy, so at most one gradient is held twice.
-    result = []
-    for i, channels in enumerate((d, d, dv)):
-        grad, grads[i] = grads[i], None
-        result.append(grad[..., :channels].contiguous())
-        del grad
-    return tuple(result)
+    return block_kernel(q.device).backward(dout, q, k, v, out, lse, bias, scale, is_causal)
 
 
 @block_attention_backward.register_fake

@@ -3,10 +3,12 @@
 
 Note [Ordering the ring's messages]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The attention code (``ring_rewrite/attention.py``) sees one object per site call, a ``Rotater``:
-``flight = ring.start(xs, send_to, recv_from, tag)`` before the compute a transfer overlaps,
-``ring.wait(flight, after=that compute)`` after it, and ``ring.all_gather``. Everything below is
-the rotater's business, never the call sites'.
+The attention code (``ring_rewrite/attention.py``) sees one ``Rotater`` per site call and,
+from it, one ``Ring`` per branch (``rotater.ring(branch, send_to, recv_from)``). It says what
+moves and when: ``flight = ring.start(xs, KV, step, chunk)`` before the compute a transfer
+overlaps, ``ring.wait(flight, after=that compute)`` after it, and ``rotater.all_gather(x, world,
+index)``. Tags, tokens, the order of the messages and the lifetime of their buffers are the
+rotater's business, below, never the call sites'.
 
 Seen on torch 2.13 (FINDINGS.md): a P2P op whose result one rank does not use is dead-code
 eliminated on that rank only; inductor may order independent P2P calls differently on different
@@ -86,8 +88,8 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 __all__ = [
-    "Rotater", "InFlight", "transfer_tag", "checking_transfers", "inductor_lowering",
-    "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
+    "Rotater", "Ring", "InFlight", "KV", "KV_BACK", "DKV", "transfer_tag", "checking_transfers",
+    "inductor_lowering", "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
     "resolve_group", "check_agreement",
 ]  # fmt: skip
 
@@ -340,12 +342,10 @@ class Rotater:
         self.group_name = group_name
         self.token = token
 
-    def start(self, xs: list, send_to: int, recv_from: int, tag: int) -> InFlight:
-        """Start sending ``xs`` to ``send_to`` and receiving their like from ``recv_from``."""
-        self.token = torch.ops.ring_rewrite.ring_shift_start(
-            xs, self.token, self.group_name, send_to, recv_from, tag
-        )
-        return InFlight(list(xs), tag)
+    def ring(self, branch: int, send_to: int, recv_from: int) -> Ring:
+        """Branch ``branch``'s ring, in which this rank sends to ``send_to`` and receives from
+        ``recv_from`` (global ranks)."""
+        return Ring(self, branch, send_to, recv_from)
 
     def wait(self, flight: InFlight, after: list = ()) -> list:
         """What arrived for ``flight``, once ``after`` (the compute it overlaps) is done."""
@@ -356,12 +356,36 @@ class Rotater:
         self.token = got[len(flight.sent)]
         return received
 
-    def all_gather(self, x, world: int, tag: int, same=None):
-        """Every rank's ``x`` stacked on a new leading dim (``all_gather_seq``)."""
+    def all_gather(self, x, world: int, index: int, same=None):
+        """Every rank's ``x`` stacked on a new leading dim (``all_gather_seq``): the site's
+        ``index``-th gather."""
         stacked, self.token = torch.ops.ring_rewrite.all_gather_seq(
-            x, self.token, self.group_name, world, tag, same
+            x, self.token, self.group_name, world, transfer_tag(0, GATHER, index), same
         )
         return stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """One branch's ring within a site call: ``start`` sends one step along it."""
+
+    rotater: Rotater
+    branch: int
+    send_to: int
+    recv_from: int
+
+    def start(self, xs: list, kind: int, step: int, chunk: int = 0) -> InFlight:
+        """Start sending ``xs`` (``kind``: ``KV``, ``KV_BACK`` or ``DKV``) one step along the
+        ring, and receiving their like; ``self.wait`` after the compute it overlaps."""
+        tag = transfer_tag(self.branch, kind, step, chunk)
+        r = self.rotater
+        r.token = torch.ops.ring_rewrite.ring_shift_start(
+            xs, r.token, r.group_name, self.send_to, self.recv_from, tag
+        )
+        return InFlight(list(xs), tag)
+
+    def wait(self, flight: InFlight, after: list = ()) -> list:
+        return self.rotater.wait(flight, after)
 
 
 @functools.cache

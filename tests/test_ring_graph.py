@@ -21,7 +21,7 @@ WORLD = 4
 
 
 def _branch_of(tag: int) -> int:
-    return tag // (1024 * 64 * 4) % 64  # SitePlan.tag
+    return tag // (1024 * 64 * 4) % 64  # p2p.transfer_tag
 
 
 def _send_recv(capture: Capture, graph: str) -> list[Transfer]:
@@ -132,7 +132,7 @@ def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeyp
         chunks = record.plan.head_chunks(branch)
         assert chunks == 4
         last = len(branch.ring) - 1
-        last_hops = {record.plan.tag(0, p2p.DKV, last, chunk) for chunk in range(chunks)}
+        last_hops = {p2p.transfer_tag(0, p2p.DKV, last, chunk) for chunk in range(chunks)}
         blocks_since, overlapped = {}, []  # last hop started -> backward blocks since its start
         for node in site_body(gm, 0, "bwd").graph.nodes:
             op = getattr(node.target, "overloadpacket", node.target)
