@@ -33,10 +33,11 @@ from torch._dynamo.utils import counters
 
 from ring_rewrite.config import RingDilatedConfig
 
-from . import rewrite_sdpa as _rewrite
 from .decompose_mha import decompose_attention_modules, leave_attention_modules_alone
 from .find_sdpa import find_sdpa_sites
 from .records import TOUCHED
+from .rewrite_sdpa import NAME as REWRITE_NAME
+from .rewrite_sdpa import rewrite_sdpa
 
 __all__ = ["NORMALISING", "REWRITE", "Pass", "check_disabled", "run_passes"]
 
@@ -61,7 +62,7 @@ NORMALISING: tuple[Pass, ...] = (
         leave_attention_modules_alone,
     ),  # fmt: skip
 )
-REWRITE = Pass(_rewrite.NAME, _rewrite.rewrite_sdpa, "rewritten")
+REWRITE = Pass(REWRITE_NAME, rewrite_sdpa, "rewritten")
 
 
 def check_disabled(config: RingDilatedConfig) -> None:

@@ -50,9 +50,10 @@ from ._fx import RoleTracer, emit, stamp, trace_subgraph
 from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, static_strides, unsupported_reason
 from .records import TOUCHED, SiteRecord, leave_alone, records
 
-__all__ = ["rewrite_sdpa"]
+__all__ = ["NAME", "rewrite_sdpa"]
 
 NAME = "rewrite_sdpa"
+"""The pass's name in the pipeline and in the site records."""
 
 
 def rewrite_sdpa(

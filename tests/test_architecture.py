@@ -88,7 +88,9 @@ def test_nothing_outside_passes_imports_a_private_name_of_it(module):
             assert not private, f"{module} imports {private} from {target}"
 
 
-def test_the_passes_install_under_the_project_namespace():
+def test_every_package_installs_and_the_passes_under_the_project_namespace():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'package-dir = {"ring_rewrite.passes" = "passes"}' in text
-    assert '"passes"' not in text.split("packages = ")[1].split("\n")[0]
+    listed = text.split("\npackages = ")[1].split("\n")[0]
+    packages = {m for m, (_, path) in MODULES.items() if path.name == "__init__.py"}
+    assert {p.strip(' "') for p in listed.strip("[]").split(",")} == packages

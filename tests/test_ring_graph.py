@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import ring_rewrite
+from ring_rewrite import testing
 from ring_rewrite.testing import Capture, Transfer, assert_same_p2p_schedule, capture_ranks, site_body
 
 WORLD = 4
@@ -163,11 +164,10 @@ INDUCTOR_CASES = {
 
 
 @pytest.fixture(scope="module", params=list(INDUCTOR_CASES))
-def inductor_code(request) -> tuple[list[str], list[tuple[int, int]]]:
+def generated_code(request) -> tuple[list[str], list[tuple[int, int]]]:
     """Inductor's generated code (forward, backward) of one site on rank 0 of 2, and the head
     chunks and ring size of each ring branch."""
     import torch.distributed as dist
-    from torch._inductor.utils import fresh_cache, run_and_get_code
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ring_rewrite import attention
@@ -184,9 +184,9 @@ def inductor_code(request) -> tuple[list[str], list[tuple[int, int]]]:
     torch._dynamo.reset()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        with pytest.MonkeyPatch.context() as patch, fresh_cache():
+        with pytest.MonkeyPatch.context() as patch:
             patch.setattr(attention, "RING_CHUNK_BYTES", 1)
-            _, codes = run_and_get_code(lambda: attend(q, k, v).sum().backward())
+            _, codes = testing.inductor_code(lambda: attend(q, k, v).sum().backward())
             (record,) = backend.records
             plan = record.plan
             rings = [(plan.head_chunks(b), len(b.ring)) for b in plan.branches if not b.is_local]
@@ -195,28 +195,42 @@ def inductor_code(request) -> tuple[list[str], list[tuple[int, int]]]:
     return codes, rings
 
 
-def test_inductors_code_keeps_every_buffer_in_flight_alive_and_unwritten(inductor_code):
+def test_inductors_code_keeps_every_buffer_in_flight_alive_and_unwritten(generated_code):
     """Note [Buffers in flight]: in the code that runs, no buffer a transfer sends is freed,
     reused or written before its wait, and the wait reads the buffers the start sent. (On the
     commit before the fix, inductor handed the K/V sent at step 0 to the next gather kernel and
     gave the wait a second copy: see ``buffers_in_flight_violations``.)"""
-    from ring_rewrite.testing import buffers_in_flight_violations
-
-    codes, rings = inductor_code
+    codes, rings = generated_code
     assert rings
     for code in codes:
         assert "ring_shift_start" in code
-        assert buffers_in_flight_violations(code) == []
+        assert testing.buffers_in_flight_violations(code) == []
 
 
-def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers(inductor_code):
+@pytest.mark.parametrize("graph, block", [(0, "block_attention"), (1, "block_attention_backward")])
+def test_inductors_code_runs_a_block_inside_the_first_transfer(generated_code, graph, block):
+    """In the order the code runs: the first transfer starts, a block computes, then it is
+    waited for (forward, then backward)."""
+    codes, _ = generated_code
+    testing.check_code(
+        codes[graph],
+        f"""
+        CHECK: torch.ops.ring_rewrite.ring_shift_start.default(
+        CHECK-NOT: torch.ops.ring_rewrite.ring_shift_wait.default(
+        CHECK: torch.ops.ring_rewrite.{block}.default(
+        CHECK: torch.ops.ring_rewrite.ring_shift_wait.default(
+        """,
+    )
+
+
+def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers(generated_code):
     """What runs, not only the traced body: in inductor's generated code every transfer has block
     compute between its start and its wait, forward and backward, except each ring branch's last
     chunk's last hop home. (Its peak-memory reordering moved each dK/dV wait ahead of the block
     it overlaps until the waits took that block's results: Note [Ordering the ring's
     messages].) And every buffer is contiguous: one-head chunks once made it lay the output out
     channels-last and copy it back (``attention._cat_heads``)."""
-    codes, rings = inductor_code
+    codes, rings = generated_code
     assert rings and all(chunks > 1 for chunks, _ in rings)
     overlapped = []  # per transfer, in the order of the waits: was a block run inside it?
     for code in codes:

@@ -439,3 +439,54 @@ def test_site_named_by_module_path_without_a_user_frame():
     assert location(node) == "layers.0.self_attn"
     node.meta["stack_trace"] = '  File "/home/me/model.py", line 12, in forward\n    x = attn(x)\n'
     assert location(node) == "model.py:12"
+
+
+# ---- inductor's generated code -----------------------------------------------------------------
+
+_WRAPPER = """
+buf3 = empty_strided_cpu((2, 8), (8, 1), torch.float32)
+buf4 = torch.ops.ring_rewrite.ring_shift_start.default([buf3], arg0_1, '0', 1, 1, 5)
+buf5 = torch.ops.ring_rewrite.block_attention.default(arg1_1, arg2_1, arg3_1, None, 0.5, True)
+buf6 = torch.ops.ring_rewrite.ring_shift_wait.default([buf3], buf4, 5, [buf5])
+"""
+
+
+def test_check_code_passes_on_the_order_it_names():
+    testing.check_code(
+        _WRAPPER,
+        """
+        CHECK: ring_shift_start.default([buf3]
+        CHECK-NOT: ring_shift_wait
+        # CHECK: block_attention.default(
+        CHECK: ring_shift_wait.default([buf3]
+        """,
+    )
+
+
+def test_check_code_fails_naming_what_it_did_not_find():
+    with pytest.raises(AssertionError) as info:
+        testing.check_code(_WRAPPER, "CHECK: ring_shift_wait\nCHECK: block_attention")
+    message = str(info.value)
+    assert message.startswith("inductor's code fails the checks\n# CHECK: ring_shift_wait\n")
+    assert 'Expected to find "block_attention" but did not find it' in message
+
+
+def test_check_code_refuses_lines_that_are_no_directives():
+    with pytest.raises(ValueError, match="not a FileCheck directive"):
+        testing.check_code(_WRAPPER, "ring_shift_start")
+
+
+def test_inductor_code_returns_the_result_and_the_wrapper_code():
+    fn = torch.compile(lambda x: x.sin() + 1)
+    torch._dynamo.reset()
+    out, codes = testing.inductor_code(lambda: fn(torch.ones(3)))
+    assert torch.equal(out, torch.ones(3).sin() + 1)
+    (code,) = codes
+    testing.check_code(code, "CHECK: def call(")
+
+
+def test_buffers_in_flight_violations_names_a_buffer_reused_in_flight():
+    assert testing.buffers_in_flight_violations(_WRAPPER) == []
+    reused = _WRAPPER.replace("buf5 = torch", "buf7 = buf3; del buf3  # reuse\nbuf5 = torch")
+    (problem,) = testing.buffers_in_flight_violations(reused)
+    assert problem.startswith("buf3, in flight (tag 5), is freed or written, line 4: buf7 = buf3")
