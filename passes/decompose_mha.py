@@ -56,8 +56,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ring_rewrite.roles import role
 from ring_rewrite.config import RingDilatedConfig
+from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, location
 from .find_sdpa import SDPA_TARGETS, _static_shape

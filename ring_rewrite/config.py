@@ -95,7 +95,7 @@ class RingDilatedConfig:
             raise ValueError(
                 f"compiler must be 'inductor', 'aot_eager' or 'eager', got {self.compiler!r}"
             )
-        if isinstance(self.disable_passes, str) or not all(
+        if not isinstance(self.disable_passes, (list, tuple)) or not all(
             isinstance(name, str) for name in self.disable_passes
         ):
             raise ValueError(

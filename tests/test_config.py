@@ -35,6 +35,7 @@ def test_lists_become_tuples():
         ({"group": 3}, "group"),
         ({"disable_passes": "attention_modules"}, "disable_passes must be a sequence"),
         ({"disable_passes": [1]}, "disable_passes must be a sequence"),
+        ({"disable_passes": 5}, "disable_passes must be a sequence"),
     ],
 )
 def test_invalid_fields_name_the_problem(fields, message):
