@@ -7,7 +7,7 @@ Before::
 After::
 
     bias = <mask to additive key bias (B|1, Hq|1, N)>                  # role "mask", if m
-    token = torch.ops.ring_rewrite.site_token(0)                        # role "p2p", if P > 1
+    token = torch.ops.ring_rewrite.site_token(0, group, variant, timeout)  # role "p2p", if P > 1
     out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias][, token])
 
 ``ring_rewrite_fwd_0`` calls ``invoke_subgraph`` on the site's forward body: per branch the
@@ -43,7 +43,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group
+from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group, variant_hash
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, stamp, trace_subgraph
@@ -54,6 +54,8 @@ __all__ = ["NAME", "rewrite_sdpa"]
 
 NAME = "rewrite_sdpa"
 """The pass's name in the pipeline and in the site records."""
+
+_SITE_TOKEN = torch.ops.ring_rewrite.site_token.default
 
 
 def rewrite_sdpa(
@@ -84,12 +86,17 @@ def rewrite_sdpa(
             )  # fmt: skip
             continue
         passes = (*node.meta.get(TOUCHED, ()), NAME)
-        _rewrite_site(gm, site, plan, index, bodies)
+        _rewrite_site(gm, site, plan, index, bodies, config)
         counters["ring_rewrite"]["rewritten"] += 1
         sites.append(SiteRecord(index, site.location, "sdpa", site.shapes, plan=plan, passes=passes))
         rewritten += 1
     if world > 1:
-        check_agreement(group, [_agreement_key(r) for r in sites])
+        keys = [_agreement_key(r) for r in sites]
+        check_agreement(group, keys)
+        # Headers name the compiled variant (Note [Calls, deadlines and recovery], p2p.py).
+        variant = variant_hash(keys)
+        for token in gm.graph.find_nodes(op="call_function", target=_SITE_TOKEN):
+            token.update_arg(2, variant)
     if rewritten:
         gm.graph.lint()
         gm.recompile()
@@ -148,7 +155,10 @@ def _key_bias(
     return mask.to(plan.dtype)
 
 
-def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int, bodies: dict) -> None:
+def _rewrite_site(
+    gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int, bodies: dict,
+    config: RingDilatedConfig,
+) -> None:  # fmt: skip
     graph, node = gm.graph, site.node
     stack = node.meta.get("stack_trace")
     args = [site.query, site.key, site.value]
@@ -170,7 +180,10 @@ def _rewrite_site(gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int
             args.append(bias)
             names.append("mask")
         if plan.world > 1:
-            token = graph.call_function(torch.ops.ring_rewrite.site_token.default, (index,))
+            timeout_ms = round(config.timeout * 1000)
+            token = graph.call_function(
+                _SITE_TOKEN, (index, plan.group_name, 0, timeout_ms)  # the variant comes last
+            )
             stamp(token, index, stack, role="p2p")
             args.append(token)
             names.append("token")

@@ -435,7 +435,10 @@ def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask and the
     token)."""
-    rotater = Rotater(plan.group_name, token)
+    with role("p2p"):
+        rotater = Rotater(plan.group_name, token)
+        if token is not None:
+            rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
     with role("shard"):
         ql, kl, vl, dol = (_local(plan, x) for x in (q, k, v, dout))
     dq = dk = dv = None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch.distributed as dist
+
+from .p2p import MAX_BRANCHES
 
 __all__ = ["RingDilatedConfig"]
 
@@ -46,6 +49,12 @@ class RingDilatedConfig:
 
     strict: bool = False
     """Raise instead of leaving an unsupported SDPA site alone."""
+
+    timeout: float = 300.0
+    """Seconds any rank waits for one ring transfer (a call's opening header, twice that) before
+    it raises naming the site, branch, step, tag and peer ranks (SPEC §3, Faults). It must cover
+    a peer's compile: the backward compiles at the first ``.backward()`` while the other ranks
+    wait. A ``datetime.timedelta`` is accepted."""
 
     disable_passes: tuple[str, ...] = ()
     """Normalising passes not to run, by name (``passes/pipeline.py``: ``"attention_modules"``
@@ -87,6 +96,14 @@ class RingDilatedConfig:
                     f"dilation_rates={rates} has no rate 1: for each head, positions off every "
                     "branch's lattice would attend to nothing. Add a branch with rate 1."
                 )
+            if len(seg) > MAX_BRANCHES:
+                raise ValueError(f"at most {MAX_BRANCHES} branches are supported, got {len(seg)}")
+        timeout = self.timeout
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        object.__setattr__(self, "timeout", float(timeout))
         if self.sharding not in ("replicated", "sharded"):
             raise ValueError(f"sharding must be 'replicated' or 'sharded', got {self.sharding!r}")
         if self.layout not in ("contiguous", "zigzag"):

@@ -25,15 +25,16 @@ ranks, and equal-shaped messages then pair up wrong without an error. So every o
   inductor's peak-memory reordering moved every dK/dV wait of the backward ahead of the block it
   overlaps (a wait frees the buffers it sent), leaving each of those transfers bare,
 * sends each message under its own tag: the transfer's place in its site (``transfer_tag``:
-  branch, kind, head chunk, step) plus the site, which the token carries as its value
-  (``site_token``). A schedule that still went wrong fails loudly (a timeout naming the
+  branch, kind, head chunk, step) plus the call's number, which the token carries with the
+  site (``site_token``). A schedule that still went wrong fails loudly (a timeout naming the
   transfer) instead of pairing the wrong buffers.
 
 Why not ``EffectType.ORDERED``: a rewritten site is one ``invoke_subgraph`` body shared by every
 layer with the same plan (Note [One body per plan] in ``passes/rewrite_sdpa.py``), and on torch
 2.13 an effectful op inside ``invoke_subgraph`` drops the gradients of the whole call (its
 output no longer requires grad), or fails AOT with a missing ``tangents_token`` when the call
-sits in a backward graph. The site index cannot be a constant of a shared body, hence the token.
+sits in a backward graph. The site index cannot be a constant of a shared body, nor the call
+number a constant of any graph: hence the token.
 
 Note [Buffers in flight]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -71,9 +72,28 @@ after the compute it should overlap (FINDINGS.md saw it placed before). Our ops 
 and get the lifetimes from the rules above, checked at run time and in ``tests/``, which
 read inductor's generated code.
 
-A site call that raised between a start and its wait leaves the transfer pending; the next
-``site_token`` of that site waits it out and drops it (``_drain``), so it cannot break the next
-call.
+Note [Calls, deadlines and recovery]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every call of a site, forward and backward, opens with a *header*: one small all-gather over
+the group of ``(call number, site, forward/backward, variant, transfers left over)``
+(``site_token``, and ``resume_token`` at the start of the backward). The variant is a hash of
+every site of the compiled graph. Ranks that disagree (a call apart, one in the backward while
+another runs the forward, different compiled variants after a data-dependent branch) raise on
+every rank there, naming both sides, before any transfer of that call; their call numbers are
+then set equal again, so the next call can work. The call number (mod 64) is part of every
+message tag: a message a failed call left on the wire can never pair with a later call's.
+
+Every wait has a deadline, ``RingDilatedConfig.timeout`` (a header twice that, since a peer may
+first wait out a transfer of its own). gloo's own ``wait(timeout)`` closes every connection of
+the group when it expires, so a transfer is waited for on one helper thread (``_Waiter``) while
+the calling thread waits on a deadline; past it, the call raises naming the site, branch, step,
+tag and peers, and the transfer stays *left over*, its buffers held (gloo may still write into
+them). The next header sees it and every rank recovers: they exchange what they started in the
+failed call, each completes its peers' half-done transfers (a recv nobody sent to gets zeros, a
+send nobody received is received and dropped), then waits for its own. After that nothing is
+pending and nothing stale is on the wire, and the call goes on. A header or gather that misses
+its deadline cannot be recovered (a collective half done leaves the group's collectives out of
+order): the group is marked broken and every later call raises at once, naming the first error.
 """
 
 from __future__ import annotations
@@ -82,6 +102,10 @@ import dataclasses
 import functools
 import logging
 import os
+import pickle
+import queue
+import threading
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -90,7 +114,8 @@ from torch._dynamo.utils import counters
 __all__ = [
     "Rotater", "Ring", "InFlight", "KV", "KV_BACK", "DKV", "transfer_tag", "checking_transfers",
     "inductor_lowering", "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
-    "resolve_group", "check_agreement",
+    "resume_token", "resolve_group", "check_agreement", "variant_hash", "TransferTimeout",
+    "RingOutOfStep", "MAX_BRANCHES",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -100,7 +125,18 @@ _CHECK = os.environ.get("RING_REWRITE_CHECK_TRANSFERS", "0") not in ("", "0")
 # Transfer kinds, the second field of a tag.
 KV, KV_BACK, DKV, GATHER = range(4)
 _KINDS = ("K/V", "K/V (backward)", "dK/dV", "gather")
-_SITE_BITS = 24  # a transfer's tag within its site is below 2**24 (transfer_tag)
+MAX_BRANCHES = 16
+_TAG_BITS = 22  # a transfer's tag within its call is below 2**22 (transfer_tag)
+_CALL_BITS = 6  # the call number's low bits above it; 8 * (wire tag) + message < 2**31 (gloo)
+FORWARD, BACKWARD = 0, 1
+
+
+class TransferTimeout(RuntimeError):
+    """A ring transfer, header or gather did not finish within ``RingDilatedConfig.timeout``."""
+
+
+class RingOutOfStep(RuntimeError):
+    """The ranks of a group entered different site calls (Note [Calls, deadlines and recovery])."""
 
 
 def checking_transfers() -> bool:
@@ -109,17 +145,19 @@ def checking_transfers() -> bool:
 
 
 def transfer_tag(branch: int, kind: int, step: int, chunk: int = 0) -> int:
-    """A transfer's tag within its site: which branch, kind, head chunk and ring step."""
-    assert 0 <= kind < 4 and 0 <= chunk < 64 and 0 <= step < 1024 and 0 <= branch < 64
+    """A transfer's tag within its site call: which branch, kind, head chunk and ring step."""
+    assert 0 <= kind < 4 and 0 <= chunk < 64 and 0 <= step < 1024 and 0 <= branch < MAX_BRANCHES
     return ((branch * 4 + kind) * 64 + chunk) * 1024 + step
 
 
-def _describe(site: int, tag: int) -> str:
+def _describe(site: int, call: int, tag: int) -> str:
     step, chunk = tag % 1024, tag // 1024 % 64
     kind, branch = tag // (1024 * 64) % 4, tag // (1024 * 64 * 4)
+    if kind == GATHER:
+        return f"site {site}, gather at distance {step} (tag {tag}, call {call})"
     return (
         f"site {site}, branch {branch}, step {step}, {_KINDS[kind]}, head chunk {chunk} "
-        f"(tag {tag})"
+        f"(tag {tag}, call {call})"
     )
 
 
@@ -129,38 +167,297 @@ def _group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+# ---- calls: tokens, headers, recovery (Note [Calls, deadlines and recovery]) -------------------
+
+# A token: int64 (site, call id, group call, timeout in ms, variant). The call id is unique in
+# this process (it keys the pending transfers); the group call is the call's number in its
+# group, the same on every rank (it goes into the wire tags and the headers).
+_SITE, _CALL_ID, _GROUP_CALL, _TIMEOUT_MS, _VARIANT = range(5)
+_TOKEN_SIZE = 5
+
+
+@dataclasses.dataclass
+class _GroupState:
+    """What this rank knows of its calls in one group."""
+
+    call: int = 0
+    """The next call's number in the group."""
+    started: dict = dataclasses.field(default_factory=dict)
+    """``(group call, tag) -> _Started`` of every transfer started since the last header."""
+    broken: str | None = None
+    """Why the group can no longer be used by the ring (a collective missed its deadline)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Started:
+    """A transfer as its peers need to know it to complete it (recovery)."""
+
+    call: int
+    tag: int
+    send_to: int
+    recv_from: int
+    sends: tuple
+    """``(message index, shape, dtype)`` of each message sent."""
+    recvs: tuple
+
+
+_GROUPS: dict[str, _GroupState] = {}
+_CALL_IDS = iter(range(1, 2**62))
+_OPENED: set[tuple] = set()  # (group, variant, site, direction) of the calls this rank opened
+FIRST_CALL_TIMEOUT = 600.0
+"""Seconds the first header of a site and direction waits, at least (peers may compile)."""
+
+
+def _state(group_name: str) -> _GroupState:
+    return _GROUPS.setdefault(group_name, _GroupState())
+
+
+def variant_hash(sites: list) -> int:
+    """A hash of a compiled graph's sites (their plans as every rank must agree on them), the
+    same on every rank: which compiled variant a header comes from."""
+    return zlib.crc32(repr(sites).encode()) & 0x7FFFFFFF
+
+
 @torch.library.custom_op("ring_rewrite::site_token", mutates_args=())
-def site_token(site: int) -> torch.Tensor:
-    """The first token of a site's chain. Tokens order the transfers (each op takes one and
-    returns the next) and carry the site index as their value, for the tags. A new call of the
-    site first drops what a call that raised left pending (Note [Buffers in flight]).
+def site_token(site: int, group_name: str, variant: int, timeout_ms: int) -> torch.Tensor:
+    """Open a call of ``site`` (its forward): the header every rank of the group exchanges
+    (Note [Calls, deadlines and recovery]), then the first token of the call's chain. Tokens
+    order the transfers (each op takes one and returns the next) and carry the call's site,
+    number and deadline to the ops, for the tags and the errors.
 
     An op, not ``torch.full``: inductor would build one kernel per site index.
     """
-    _drain(site)
-    return torch.full((1,), float(site))
+    return _open_call(group_name, site, FORWARD, variant, timeout_ms)
 
 
 @site_token.register_fake
-def _(site):
-    return torch.empty((1,))
+def _(site, group_name, variant, timeout_ms):
+    return torch.empty((_TOKEN_SIZE,), dtype=torch.int64)
 
 
-def _message_tag(token: torch.Tensor, tag: int) -> tuple[int, int, str]:
-    """The site, the transfer's ``tag`` made unique across sites (within gloo's int: sites 16
-    apart share tags; each message adds 8 * this + its index), and how errors name it."""
-    site = int(token.item())
-    return site, ((site << _SITE_BITS) + tag) % 2**28, _describe(site, tag)
+@torch.library.custom_op("ring_rewrite::resume_token", mutates_args=())
+def resume_token(token: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Open the backward call of the site whose forward left ``token``: its own header and call
+    number, so a backward that one rank runs and another does not fails at once."""
+    site, _, _, timeout_ms, variant = token.tolist()
+    return _open_call(group_name, site, BACKWARD, variant, timeout_ms)
+
+
+@resume_token.register_fake
+def _(token, group_name):
+    return token.new_empty(token.shape)
+
+
+torch.fx.node.has_side_effect(torch.ops.ring_rewrite.site_token.default)
+torch.fx.node.has_side_effect(torch.ops.ring_rewrite.resume_token.default)
+
+
+def _open_call(group_name: str, site: int, direction: int, variant: int, timeout_ms: int):
+    state = _state(group_name)
+    what = f"site {site} ({('forward', 'backward')[direction]})"
+    if state.broken is not None:
+        raise RuntimeError(
+            f"ring_rewrite: {what}: the process group can no longer be used by the ring: "
+            f"{state.broken}. Restart the job (or re-create the process group)."
+        )
+    group = _group(group_name)
+    timeout = timeout_ms / 1000
+    leftover = [p for p in _PENDING.values() if p.group_name == group_name]
+    header = torch.tensor([state.call, site, direction, variant, len(leftover)])
+    # NOTE: a graph compiles at its first call, its backward at its first backward, each rank
+    # at its own speed: the first header of a site and direction waits for peers still compiling.
+    first = (group_name, variant, site, direction) not in _OPENED
+    deadline = max(2 * timeout, FIRST_CALL_TIMEOUT) if first else 2 * timeout
+    headers = _all_gather(group, header, deadline, f"the header of {what}, call {state.call}", state)
+    _OPENED.add((group_name, variant, site, direction))
+    previous, state.started = state.started, {}
+    if int(headers[:, 4].sum()):
+        _recover(group, group_name, state, previous, leftover, timeout)
+    first = headers[0, :4]
+    differ = [r for r in range(len(headers)) if not torch.equal(headers[r, :4], first)]
+    if differ:
+        state.call = int(headers[:, 0].max()) + 1
+        raise RingOutOfStep(
+            "ring_rewrite: the ranks are out of step: they entered different attention site calls "
+            "(a rank skipped or repeated a call, raised and went on, or runs another compiled "
+            "variant of the model): " + "; ".join(
+                f"rank {r}: {_header_text(headers[r])}" for r in range(len(headers))
+            ) + ". No transfer of this call was made; the next call starts in step again."
+        )
+    call = state.call
+    state.call += 1
+    token = torch.empty((_TOKEN_SIZE,), dtype=torch.int64)
+    token[_SITE], token[_CALL_ID], token[_GROUP_CALL] = site, next(_CALL_IDS), call
+    token[_TIMEOUT_MS], token[_VARIANT] = timeout_ms, variant
+    return token
+
+
+def _header_text(header: torch.Tensor) -> str:
+    call, site, direction, variant, _ = header.tolist()
+    return (
+        f"call {call}, site {site} {('forward', 'backward')[direction]}, graph variant {variant:#x}"
+    )
+
+
+def _all_gather(group, x: torch.Tensor, timeout: float, what: str, state: _GroupState):
+    """Every rank's ``x`` stacked, or ``TransferTimeout`` past ``timeout`` (the group is then
+    broken: its collectives would no longer pair up)."""
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(x) for _ in range(world)]
+    try:
+        work = dist.all_gather(out, x, group=group, async_op=True)
+        _wait_collective(work, timeout)
+    except TransferTimeout:
+        state.broken = f"{what} did not finish within {timeout:g} s"
+        raise TransferTimeout(
+            f"ring_rewrite: {what} did not finish within {timeout:g} s: a rank did not reach it "
+            "(it died, hangs, or runs other code). The ring cannot be used in this process "
+            "group any more."
+        ) from None
+    except Exception as error:
+        state.broken = f"{what} failed: {error}"
+        raise RuntimeError(f"ring_rewrite: {what} failed: {error}") from error
+    return torch.stack(out)
+
+
+def _wait_collective(work, timeout: float) -> None:
+    try:
+        future = work.get_future()
+    except RuntimeError:  # a backend without futures (the fake process group): no deadline
+        work.wait()
+        return
+    done = threading.Event()
+    future.then(lambda _: done.set())
+    if not done.wait(timeout):
+        raise TransferTimeout()
+    future.value()  # raises the collective's own error, if any
+
+
+def _recover(group, group_name, state, previous: dict, leftover: list, timeout: float) -> None:
+    """Complete what a failed call left half done, on every rank (Note [Calls, deadlines and
+    recovery]): ``previous`` is what this rank started in that call."""
+    world = dist.get_world_size(group)
+    me = dist.get_rank()
+    mine = pickle.dumps(list(previous.values()))
+    size = _all_gather(group, torch.tensor([len(mine)]), timeout, "recovery", state)
+    payload = torch.zeros(int(size.max()), dtype=torch.uint8)
+    payload[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    everyone = _all_gather(group, payload, timeout, "recovery", state)
+    ops = []
+    for r in range(world):
+        peer = dist.get_global_rank(group, r)
+        if peer == me:
+            continue
+        for t in pickle.loads(everyone[r, : int(size[r])].numpy().tobytes()):
+            if (t.call, t.tag) in previous:
+                continue  # this rank did its half
+            wire = _wire(t.call, t.tag)
+            if t.send_to == me:  # sent to us, never received: receive it and drop it
+                ops += [
+                    dist.P2POp(dist.irecv, torch.empty(shape, dtype=dtype), peer, group, 8 * wire + i)
+                    for i, shape, dtype in t.sends
+                ]
+            if t.recv_from == me:  # waits for us, never sent: send zeros
+                ops += [
+                    dist.P2POp(dist.isend, torch.zeros(shape, dtype=dtype), peer, group, 8 * wire + i)
+                    for i, shape, dtype in t.recvs
+                ]
+    works = [_Work(w) for w in dist.batch_isend_irecv(ops)] if ops else []
+    for pending in leftover:
+        works += pending.works
+    try:
+        _WAITER.wait(works, timeout)
+    except BaseException as error:
+        state.broken = f"recovering the transfers of a failed call failed: {error}"
+        raise
+    for key in [k for k, p in _PENDING.items() if p.group_name == group_name]:
+        del _PENDING[key]
+    _ABANDONED[:] = [p for p in _ABANDONED if p.group_name != group_name]
+    counters["ring_rewrite"]["recovered_transfers"] += len(leftover)
+    log.warning(
+        "ring_rewrite: recovered %d transfer(s) left over by a failed call (%d message(s) "
+        "completed for peers)", len(leftover), len(ops),
+    )  # fmt: skip
+
+
+def _wire(call: int, tag: int) -> int:
+    """A transfer's wire tag: its tag within the call, the call number's low bits above it."""
+    return (call % (1 << _CALL_BITS)) << _TAG_BITS | tag
+
+
+def _message_tag(token: torch.Tensor, tag: int) -> tuple[tuple[int, int], int, str, float]:
+    """The transfer's key in ``_PENDING``, its wire tag, how errors name it, and its deadline."""
+    site, call_id, call, timeout_ms, _ = token.tolist()
+    return (call_id, tag), _wire(call, tag), _describe(site, call, tag), timeout_ms / 1000
+
+
+class _Work:
+    """A gloo work and whether it was waited for (waiting twice would block: gloo counts)."""
+
+    __slots__ = ("work", "done")
+
+    def __init__(self, work) -> None:
+        self.work, self.done = work, False
+
+
+class _Job:
+    __slots__ = ("works", "finished", "error")
+
+    def __init__(self, works) -> None:
+        self.works, self.finished, self.error = works, threading.Event(), None
+
+
+class _Waiter:
+    """Waits for gloo works on one helper thread, so that the caller can stop waiting at a
+    deadline without gloo's own timeout, which would close the group's connections (Note
+    [Calls, deadlines and recovery]). Jobs run in order; a work is waited for once."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, works: list[_Work], timeout: float) -> None:
+        """Wait for ``works``; ``TransferTimeout`` past ``timeout`` seconds, or their error."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="ring_rewrite-waiter", daemon=True
+                )
+                self._thread.start()
+        job = _Job(works)
+        self._jobs.put(job)
+        if not job.finished.wait(timeout):
+            raise TransferTimeout()
+        if job.error is not None:
+            raise job.error
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                for work in job.works:
+                    if not work.done:
+                        try:
+                            work.work.wait()
+                        finally:
+                            work.done = True
+            except BaseException as error:  # noqa: BLE001  (handed to the caller)
+                job.error = error
+            job.finished.set()
+
+
+_WAITER = _Waiter()
 
 
 @dataclasses.dataclass
 class _Pending:
     """A transfer started and not yet waited for."""
 
-    site: int
+    group_name: str
     name: str
     peers: tuple[int, int]
-    works: list
+    works: list[_Work]
     received: list[torch.Tensor]
     sent: list[torch.Tensor]
     """What gloo reads: the tensors given, or start's own copy of a non-contiguous one. Held
@@ -171,12 +468,83 @@ class _Pending:
     """(ours at the start, the sender's as received), with RING_REWRITE_CHECK_TRANSFERS."""
 
 
-# Transfers started and not yet waited for, by wire tag.
-_PENDING: dict[int, _Pending] = {}
-# Transfers a failed call left that would not finish: their buffers are never freed, since gloo
-# may still write into them.
+# Transfers started and not yet waited for, by (call id, tag); left over by a failed call until
+# the next header of their group recovers them.
+_PENDING: dict[tuple[int, int], _Pending] = {}
+# Transfers whose wait failed with a gloo error: their buffers are never freed, since gloo may
+# still write into them (until a recovery of their group).
 _ABANDONED: list[_Pending] = []
 _MAX_TENSORS = 4
+
+
+def _start(
+    group_name: str, token: torch.Tensor, xs: list[torch.Tensor], send_to: int, recv_from: int,
+    tag: int,
+) -> tuple[int, int]:  # fmt: skip
+    """Send ``xs`` to global rank ``send_to`` and receive their like from ``recv_from`` under
+    ``tag`` of the token's call; returns the transfer's key in ``_PENDING``."""
+    key, wire, name, _ = _message_tag(token, tag)
+    if key in _PENDING:
+        raise RuntimeError(f"ring_rewrite: transfer {name} started twice without a wait")
+    group = _group(group_name)
+    sent = [x.contiguous() for x in xs]
+    given = [x.data_ptr() if s is x else None for x, s in zip(xs, sent)]
+    received = [torch.empty_like(x) for x in sent]
+    if dist.get_backend(group) == "fake":
+        # The fake process group (testing.capture_ranks) moves nothing; its collectives hand
+        # every rank its own input, and so does a transfer.
+        received = [x.clone() for x in sent]
+    sends, recvs = list(enumerate(sent)), list(enumerate(received))
+    prints = None
+    if _CHECK:
+        ours = torch.stack([_fingerprint(x) for x in sent])
+        theirs = torch.empty_like(ours)
+        sends.append((_MAX_TENSORS, ours))
+        recvs.append((_MAX_TENSORS, theirs))
+        prints = (ours, theirs)
+    ops = [dist.P2POp(dist.isend, x, send_to, group, 8 * wire + i) for i, x in sends]
+    ops += [dist.P2POp(dist.irecv, r, recv_from, group, 8 * wire + i) for i, r in recvs]
+    works = [_Work(w) for w in dist.batch_isend_irecv(ops)]
+    _PENDING[key] = _Pending(
+        group_name, f"transfer {name}", (send_to, recv_from), works, received, sent, given, prints
+    )
+    call = int(token[_GROUP_CALL])
+    _state(group_name).started[call, tag] = _Started(
+        call, tag, send_to, recv_from,
+        tuple((i, tuple(x.shape), x.dtype) for i, x in sends),
+        tuple((i, tuple(x.shape), x.dtype) for i, x in recvs),
+    )  # fmt: skip
+    counters["ring_rewrite"]["bytes_sent"] += sum(x.numel() * x.element_size() for x in sent)
+    return key
+
+
+def _finish(keys: list[tuple[int, int]], timeout: float) -> list[_Pending]:
+    """Wait for the transfers ``keys`` (``_start``); past ``timeout`` raise ``TransferTimeout``
+    naming the first unfinished one and its peers, and leave them pending (recovery)."""
+    pendings = [_PENDING[key] for key in keys]
+    try:
+        _WAITER.wait([w for p in pendings for w in p.works], timeout)
+    except TransferTimeout:
+        late = next(p for p in pendings if not all(w.done for w in p.works))
+        send_to, recv_from = late.peers
+        raise TransferTimeout(
+            f"ring_rewrite: {late.name} did not finish within the {timeout:g} s timeout "
+            f"(sending to rank {send_to}, receiving from rank {recv_from}): a peer failed, "
+            "stopped, or is out of step (or is still compiling: raise RingDilatedConfig.timeout). "
+            "The next call of a ring site recovers what this one left."
+        ) from None
+    except Exception as error:
+        for key, pending in zip(keys, pendings):
+            del _PENDING[key]
+            _ABANDONED.append(pending)
+        send_to, recv_from = pendings[0].peers
+        raise RuntimeError(
+            f"ring_rewrite: {pendings[0].name} failed (sending to rank {send_to}, receiving from "
+            f"rank {recv_from}): {error}"
+        ) from error
+    for key in keys:
+        del _PENDING[key]
+    return pendings
 
 
 @torch.library.custom_op("ring_rewrite::ring_shift_start", mutates_args=())
@@ -193,35 +561,11 @@ def ring_shift_start(
     given the same ``xs``, returns what arrived: the compute between the two overlaps the
     transfer. Use it through ``Rotater`` (Note [Buffers in flight]).
 
-    Message ``i`` goes under wire tag ``8 * tag + i``; with fingerprints, they go under
-    ``8 * tag + 4``.
+    Message ``i`` goes under wire tag ``8 * wire + i`` (``_wire``: the tag and the call);
+    with fingerprints, they go under ``8 * wire + 4``.
     """
     assert len(xs) <= _MAX_TENSORS, "ring_shift_start sends at most 4 tensors per call"
-    site, wire, name = _message_tag(token, tag)
-    if wire in _PENDING:
-        raise RuntimeError(f"ring_rewrite: transfer {name} started twice without a wait")
-    group = _group(group_name)
-    sent = [x.contiguous() for x in xs]
-    given = [x.data_ptr() if s is x else None for x, s in zip(xs, sent)]
-    received = [torch.empty_like(x) for x in sent]
-    ops = [dist.P2POp(dist.isend, x, send_to, group, 8 * wire + i) for i, x in enumerate(sent)]
-    ops += [
-        dist.P2POp(dist.irecv, r, recv_from, group, 8 * wire + i) for i, r in enumerate(received)
-    ]
-    prints = None
-    if _CHECK:
-        ours = torch.stack([_fingerprint(x) for x in sent])
-        theirs = torch.empty_like(ours)
-        ops += [
-            dist.P2POp(dist.isend, ours, send_to, group, 8 * wire + _MAX_TENSORS),
-            dist.P2POp(dist.irecv, theirs, recv_from, group, 8 * wire + _MAX_TENSORS),
-        ]
-        prints = (ours, theirs)
-    works = dist.batch_isend_irecv(ops)
-    _PENDING[wire] = _Pending(
-        site, name, (send_to, recv_from), works, received, sent, given, prints
-    )
-    counters["ring_rewrite"]["bytes_sent"] += sum(x.numel() * x.element_size() for x in sent)
+    _start(group_name, token, xs, send_to, recv_from, tag)
     return token.clone()
 
 
@@ -237,14 +581,17 @@ def ring_shift_wait(
     """Finish the transfer ``ring_shift_start`` began under ``tag``: the received tensors, then
     the next token. ``xs`` are the tensors it sent: reading them here keeps them alive and
     unwritten until the transfer is done (Note [Buffers in flight]). ``after`` is the compute
-    the transfer overlaps, unread: it orders the wait after that compute."""
-    site, wire, name = _message_tag(token, tag)
-    pending = _PENDING.pop(wire, None)
-    if pending is None:
+    the transfer overlaps, unread: it orders the wait after that compute.
+
+    Past the call's deadline it raises ``TransferTimeout`` naming the transfer and its peers,
+    and the transfer stays pending for the next header to recover.
+    """
+    key, _, name, timeout = _message_tag(token, tag)
+    if key not in _PENDING:
         raise RuntimeError(
             f"ring_rewrite: transfer {name} is not pending (waited before its start, or twice)"
         )
-    _finish(pending)
+    (pending,) = _finish([key], timeout)
     for i, (x, address) in enumerate(zip(xs, pending.given)):
         if address is not None and x.data_ptr() != address:
             raise RuntimeError(
@@ -295,33 +642,6 @@ def _check_fingerprints(pending: _Pending) -> None:
             )
 
 
-def _drain(site: int) -> None:
-    """Finish and drop what an earlier call of ``site`` started and never waited for (it raised
-    in between). A transfer that cannot finish keeps its buffers for good: gloo may still write
-    into them."""
-    for wire in [w for w, p in _PENDING.items() if p.site == site]:
-        pending = _PENDING.pop(wire)
-        log.warning(
-            "ring_rewrite: dropping transfer %s, left pending by an earlier call that failed",
-            pending.name,
-        )
-        try:
-            _finish(pending)
-        except Exception:  # noqa: BLE001  (the peer is gone; the next transfer will say so)
-            pass
-
-
-def _finish(pending: _Pending) -> None:
-    """Wait for ``pending``'s messages. If that fails, its buffers are kept for good: gloo may
-    still write into them."""
-    try:
-        for work in pending.works:
-            work.wait()
-    except BaseException:
-        _ABANDONED.append(pending)
-        raise
-
-
 @dataclasses.dataclass(frozen=True)
 class InFlight:
     """A started transfer: what it sends (its wait reads them again) and its tag."""
@@ -341,6 +661,12 @@ class Rotater:
     def __init__(self, group_name: str, token) -> None:
         self.group_name = group_name
         self.token = token
+
+    @classmethod
+    def resume(cls, group_name: str, token) -> Rotater:
+        """The backward's rotater, from the token the forward's chain ended with: the backward
+        is a call of its own (``resume_token``)."""
+        return cls(group_name, torch.ops.ring_rewrite.resume_token(token, group_name))
 
     def ring(self, branch: int, send_to: int, recv_from: int) -> Ring:
         """Branch ``branch``'s ring, in which this rank sends to ``send_to`` and receives from
@@ -459,25 +785,39 @@ def all_gather_seq(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack every rank's ``x`` along a new leading dim (rank order of the group).
 
-    Collectives carry no tag, so ``tag`` travels in the payload: ranks that gathered different
-    tensors (a schedule gone wrong) fail loudly instead of mixing them. ``same`` (a few values)
+    ``tag`` travels in the payload: ranks that gathered different tensors (a schedule gone
+    wrong) fail loudly instead of mixing them. ``same`` (a few values)
     travels too and must be bitwise equal on every rank: replicated mode checks with it that the
     ranks really hold the same sequence.
     """
     group = _group(group_name)
-    _, tag, _ = _message_tag(token, tag)
+    _, tag, _, timeout = _message_tag(token, tag)
     check = _tag_bytes(tag, x.device)
     if same is not None:
         check = torch.cat([check, same.contiguous().view(-1).view(torch.uint8)])
     payload = torch.cat([x.contiguous().view(-1).view(torch.uint8), check])
+    # NOTE: point-to-point, one transfer per distance d (to rank + d, from rank - d), not a
+    # collective: a gather a failed call left half done is recovered like any transfer (Note
+    # [Calls, deadlines and recovery]). One wire tag for every gather of a call: ranks at
+    # different gathers then pair up and fail on the tag in the payload, at once.
+    me = dist.get_rank(group)
+    keys = [
+        _start(
+            group_name, token, [payload], dist.get_global_rank(group, (me + d) % world),
+            dist.get_global_rank(group, (me - d) % world), transfer_tag(0, GATHER, d),
+        )  # fmt: skip
+        for d in range(1, world)
+    ]
     gathered = payload.new_empty((world, payload.numel()))
-    dist.all_gather(list(gathered.unbind(0)), payload, group=group)
+    gathered[me] = payload
+    for d, pending in zip(range(1, world), _finish(keys, timeout)):
+        gathered[(me - d) % world] = pending.received[0]
     tail = gathered[:, payload.numel() - check.numel() :]
     tags = tail[:, :8].contiguous().view(torch.int64).view(-1)
     if not bool((tags == tag).all()):
         raise RuntimeError(
             f"ring_rewrite: all_gather_seq mixed transfers: tags {tags.tolist()} (expected {tag} "
-            "on every rank); the ranks ran their collectives in different orders"
+            "on every rank); the ranks ran their gathers in different orders"
         )
     differ = [r for r in range(world) if not torch.equal(tail[r], tail[0])]
     if differ:
@@ -487,7 +827,6 @@ def all_gather_seq(
             "use sharding='sharded' with shard(), or a group= of the ranks that share a sequence)"
         )
     out = gathered[:, : x.numel() * x.element_size()].contiguous().view(x.dtype)
-    counters["ring_rewrite"]["bytes_sent"] += payload.numel() * (world - 1)
     return out.view(world, *x.shape), token.clone()
 
 

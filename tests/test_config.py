@@ -1,3 +1,5 @@
+import datetime
+
 import pytest
 
 from ring_rewrite import RingDilatedConfig
@@ -36,11 +38,22 @@ def test_lists_become_tuples():
         ({"disable_passes": "attention_modules"}, "disable_passes must be a sequence"),
         ({"disable_passes": [1]}, "disable_passes must be a sequence"),
         ({"disable_passes": 5}, "disable_passes must be a sequence"),
+        ({"timeout": 0}, "timeout must be a positive number of seconds"),
+        ({"timeout": -1.5}, "timeout must be a positive number of seconds"),
+        ({"timeout": "60"}, "timeout must be a positive number of seconds"),
+        ({"timeout": True}, "timeout must be a positive number of seconds"),
+        ({"segment_lengths": [2**i for i in range(17)], "dilation_rates": [1] * 17}, "at most 16 branches"),
     ],
 )
 def test_invalid_fields_name_the_problem(fields, message):
     with pytest.raises(ValueError, match=message):
         RingDilatedConfig(**fields)
+
+
+def test_timeout_in_seconds():
+    assert RingDilatedConfig().timeout == 300.0
+    assert RingDilatedConfig(timeout=datetime.timedelta(minutes=2)).timeout == 120.0
+    assert RingDilatedConfig(timeout=5).timeout == 5.0
 
 
 def test_keyword_only_and_frozen():

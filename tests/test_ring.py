@@ -135,19 +135,27 @@ def test_ranks_that_disagree_fail_with_a_clear_error(what):
     run_ranks(2, _disagree, what)
 
 
+def _token(site=0, call=0, timeout=20.0):
+    """A call's token as ``site_token`` makes it, without the header (p2p.py): (site, call id,
+    group call, timeout in ms, variant)."""
+    return torch.tensor([site, 1000 + call, call, int(timeout * 1000), 0])
+
+
 def _mixed_gathers(rank, world):
     from ring_rewrite import p2p  # noqa: F401  (registers the ops)
 
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((3,), float(rank), dtype=torch.bfloat16)
-    out, _ = torch.ops.ring_rewrite.all_gather_seq(x, torch.zeros(1), group, world, 7)
+    out, _ = torch.ops.ring_rewrite.all_gather_seq(x, _token(), group, world, 7)
     assert out.tolist() == [[0.0] * 3, [1.0] * 3]
     with pytest.raises(RuntimeError, match="mixed transfers: tags \\[7, 8\\]"):
-        torch.ops.ring_rewrite.all_gather_seq(x, torch.zeros(1), group, world, 7 + rank)
-    # The same tag in another site is another transfer.
-    site = torch.full((1,), float(rank))
-    with pytest.raises(RuntimeError, match=f"mixed transfers: tags \\[7, {(1 << 24) + 7}\\]"):
-        torch.ops.ring_rewrite.all_gather_seq(x, site, group, world, 7)
+        torch.ops.ring_rewrite.all_gather_seq(x, _token(), group, world, 7 + rank)
+    # The same tag in another call is another transfer: the messages never pair; each rank's
+    # gather times out naming itself, and the next call's header recovers both.
+    with pytest.raises(p2p.TransferTimeout, match=f"gather at distance 1 .*call {rank + 1}\\) did not finish"):
+        torch.ops.ring_rewrite.all_gather_seq(x, _token(call=rank + 1, timeout=1.0), group, world, 7)
+    p2p.site_token(0, group, 0, 20_000)
+    assert not p2p._PENDING
 
 
 def test_gathers_in_different_orders_fail_loudly():
@@ -179,15 +187,16 @@ def _shift(rank, world):
     group = torch.distributed.group.WORLD.group_name
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     x, w = torch.full((4,), float(rank + 1)), torch.full((2, 3), -float(rank))
-    # Two transfers in flight at once under the same tag in two sites (the token carries the
-    # site), finished in the other order (the backward's dK/dV do so).
-    site3, site4 = p2p.site_token(3), p2p.site_token(4)
+    # Two transfers in flight at once under the same tag in two site calls (the token carries
+    # the call), finished in the other order (the backward's dK/dV do so).
+    site3, site4 = (p2p.site_token(site, group, 0, 20_000) for site in (3, 4))
+    assert (site3[0].item(), site4[0].item()) == (3, 4) and site4[2] == site3[2] + 1
     site3 = ops.ring_shift_start([x], site3, group, nxt, prv, 11)
     site4 = ops.ring_shift_start([x, w], site4, group, prv, nxt, 11)
     (b, c), site4 = (lambda got: (got[:2], got[2]))(ops.ring_shift_wait([x, w], site4, 11, []))
     (a,), site3 = (lambda got: (got[:1], got[1]))(ops.ring_shift_wait([x], site3, 11, [x]))
     assert a.tolist() == [float(prv + 1)] * 4 and b.tolist() == [float(nxt + 1)] * 4
-    assert c.tolist() == [[-float(nxt)] * 3] * 2 and (site3.item(), site4.item()) == (3, 4)
+    assert c.tolist() == [[-float(nxt)] * 3] * 2
     with pytest.raises(RuntimeError, match=r"site 3, branch 0, step 11, .* is not pending"):
         ops.ring_shift_wait([x], site3, 11, [])
 
@@ -202,7 +211,7 @@ def _wait_on_a_copy(rank, world):
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((4,), float(rank))
-    token = ops.ring_shift_start([x], p2p.site_token(0), group, 1 - rank, 1 - rank, 5)
+    token = ops.ring_shift_start([x], p2p.site_token(0, group, 0, 20_000), group, 1 - rank, 1 - rank, 5)
     # What inductor did before Note [Buffers in flight]: the wait got a second buffer.
     with pytest.raises(RuntimeError, match="tensor 0 reached the wait in another buffer"):
         ops.ring_shift_wait([x.clone()], token, 5, [])
@@ -221,10 +230,11 @@ def _fail_mid_step(rank, world):
     for call in range(2):
         # A call that raises between a start and its wait (the compute it overlaps failed)...
         x = torch.full((4,), float(10 * call + rank))
-        token = ops.ring_shift_start([x], p2p.site_token(2), group, peer, peer, 7)
+        token = ops.ring_shift_start([x], p2p.site_token(2, group, 0, 20_000), group, peer, peer, 7)
         if call == 0:
+            assert len(p2p._PENDING) == 1
             continue
-        # ...leaves nothing behind that breaks the next call of the site.
+        # ...leaves nothing behind that breaks the next call of the site: its header recovers it.
         (got, _) = ops.ring_shift_wait([x], token, 7, [])
         assert got.tolist() == [float(10 + peer)] * 4
     assert not p2p._PENDING and not p2p._ABANDONED
@@ -241,21 +251,22 @@ def _written_in_flight(rank, world):
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((1 << 12,), float(rank))
-    token = ops.ring_shift_start([x], p2p.site_token(1), group, 1 - rank, 1 - rank, p2p.transfer_tag(2, p2p.KV, 3))
+    tag = p2p.transfer_tag(2, p2p.KV, 3)
+    token = ops.ring_shift_start([x], p2p.site_token(1, group, 0, 20_000), group, 1 - rank, 1 - rank, tag)
     if rank == 0:
         torch.distributed.barrier()  # rank 1 has what rank 0 sent; its send is not waited for
         x.add_(1)  # what inductor's memory planner did to a buffer in flight
         with pytest.raises(RuntimeError, match="site 1, branch 2, step 3, K/V, .* written while in flight"):
-            ops.ring_shift_wait([x], token, p2p.transfer_tag(2, p2p.KV, 3), [])
+            ops.ring_shift_wait([x], token, tag, [])
     else:
-        ops.ring_shift_wait([x], token, p2p.transfer_tag(2, p2p.KV, 3), [])
+        ops.ring_shift_wait([x], token, tag, [])
         torch.distributed.barrier()
     # A message that is not what its sender fingerprinted (mis-paired, or written before gloo
     # read it) fails at the receiver.
     fingerprint = p2p._fingerprint
     if rank == 0:
         p2p._fingerprint = lambda t: torch.zeros(2, dtype=torch.int64)
-    token = ops.ring_shift_start([x], p2p.site_token(1), group, 1 - rank, 1 - rank, 9)
+    token = ops.ring_shift_start([x], p2p.site_token(1, group, 0, 20_000), group, 1 - rank, 1 - rank, 9)
     p2p._fingerprint = fingerprint
     expected = "differs from what that rank sent" if rank == 1 else "written while in flight"
     with pytest.raises(RuntimeError, match=expected):

@@ -1,0 +1,197 @@
+"""Faults on gloo ranks (SPEC §3, Faults): every fault is an error that names itself within its
+deadline, on every rank, and the ranks then run the next step correctly.
+
+One spawn of 3 ranks runs the scenarios in turn. A training step calls two compiled variants of
+one site (causal, then not) and runs the backward; after each fault every rank runs a healthy
+step, checked against the float64 reference, with nothing left pending. A rank that dies gets a
+spawn of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import rel_err
+from ranks import run_ranks
+
+TIMEOUT = 3.0  # RingDilatedConfig.timeout here, seconds
+# A fault surfaces within a transfer's deadline, or twice that for a call's header, plus the
+# time the ranks take to get there on a loaded machine.
+WITHIN = 2 * TIMEOUT + 10
+WORLD = 3
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _attend(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return [torch.randn(1, 2, 24, 8, requires_grad=True) for _ in range(3)]
+
+
+def _step(attend, q, k, v, *, raise_between=False, backward=True, first_causal=True):
+    x = attend(q, k, v, first_causal)
+    if raise_between:
+        raise Injected("raised between two attention calls")
+    out = attend(x, k, v, False)
+    if backward:
+        out.sum().backward()
+    return out
+
+
+def _healthy(attend, what):
+    """A step on every rank: right (against the float64 reference), nothing left pending."""
+    from ring_rewrite import p2p
+    from ring_rewrite.reference import reference_attention
+
+    q, k, v = _inputs()
+    out = _step(attend, q, k, v)
+    grads = [x.grad for x in (q, k, v)]
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    x = reference_attention(q, k, v, is_causal=True)
+    ref = reference_attention(x, k.double(), v.double())
+    ref.sum().backward()
+    assert rel_err(out, ref) < 1e-5, what
+    for got, x in zip(grads, (q, k, v)):
+        assert rel_err(got, x.grad) < 1e-5, what
+    assert not p2p._PENDING and not p2p._ABANDONED, what
+
+
+@contextlib.contextmanager
+def _in_blocks(fault):
+    """``fault()`` at the start of every block attention kernel call of this rank."""
+    from ring_rewrite import kernels
+
+    kernel = kernels.KERNELS["cpu"]
+
+    def forward(*args):
+        fault()
+        return kernel.forward(*args)
+
+    kernels.KERNELS["cpu"] = dataclasses.replace(kernel, forward=forward)
+    try:
+        yield
+    finally:
+        kernels.KERNELS["cpu"] = kernel
+
+
+def _fails(error, match, fn):
+    """``fn()`` raises ``error`` matching ``match``, within ``WITHIN`` seconds (no hang)."""
+    t0 = time.monotonic()
+    with pytest.raises(error, match=match) as info:
+        fn()
+    elapsed = time.monotonic() - t0
+    assert elapsed < WITHIN, f"{elapsed:.1f} s to fail with: {info.value}"
+    return str(info.value)
+
+
+def _raise(what):
+    def fault():
+        raise Injected(what)
+
+    return fault
+
+
+def _scenarios(rank, world, compiler):
+    import ring_rewrite
+    from ring_rewrite.p2p import RingOutOfStep, TransferTimeout
+
+    attend = torch.compile(_attend, backend=ring_rewrite.backend(compiler=compiler, timeout=TIMEOUT))
+    # Compiles both variants, forward and backward. The first call of a graph waits for peers
+    # that still compile, whatever the timeout.
+    _healthy(attend, "first step")
+
+    # An exception inside a block (rank 1): the others time out on the transfer rank 1 never
+    # made, naming it and rank 1.
+    q, k, v = _inputs()
+    if rank == 1:
+        with _in_blocks(_raise("block failed")):
+            _fails(Injected, "block failed", lambda: _step(attend, q, k, v))
+    else:
+        message = _fails(TransferTimeout, r"transfer site 0, (branch 0, step|gather)", lambda: _step(attend, q, k, v))
+        assert re.search(r"\(tag \d+, call \d+\).*to rank \d.*from rank \d", message), message
+    _healthy(attend, "after an exception inside a block")
+
+    # A peer that does not arrive in time (rank 1 stalls in a block for longer than the
+    # timeout): the others time out naming it; rank 1, late, times out too.
+    q, k, v = _inputs()
+    if rank == 1:
+        late = iter([TIMEOUT + 0.5])
+        with _in_blocks(lambda: time.sleep(next(late, 0))):
+            _fails(TransferTimeout, "did not finish within the 3 s timeout", lambda: _step(attend, q, k, v))
+    else:
+        _fails(TransferTimeout, "did not finish within the 3 s timeout", lambda: _step(attend, q, k, v))
+    _healthy(attend, "after a late peer")
+
+    # A rank raises between two calls and goes on: the others wait in the second call's
+    # header, which meets rank 1's next step in the first call's: out of step, at once.
+    q, k, v = _inputs()
+    if rank == 1:
+        _fails(Injected, "between", lambda: _step(attend, q, k, v, raise_between=True))
+        _fails(RingOutOfStep, "out of step", lambda: _healthy(attend, "next step"))
+    else:
+        message = _fails(RingOutOfStep, "out of step", lambda: _step(attend, q, k, v))
+        assert "rank 1: call" in message and "graph variant" in message, message
+    _healthy(attend, "after a rank raised between calls")
+
+    # Another branch: rank 2 takes the other compiled variant. Caught at the header, before
+    # any transfer.
+    q, k, v = _inputs()
+    _fails(RingOutOfStep, "graph variant", lambda: _step(attend, q, k, v, first_causal=rank != 2))
+    _healthy(attend, "after ranks took different variants")
+
+    # A rank skips its backward: the others' backward meets its next forward.
+    q, k, v = _inputs()
+    if rank == 0:
+        _step(attend, q, k, v, backward=False)
+        _fails(RingOutOfStep, "backward", lambda: _healthy(attend, "next step"))
+    else:
+        _fails(RingOutOfStep, "backward", lambda: _step(attend, q, k, v))
+    _healthy(attend, "after a rank skipped its backward")
+
+    # A rank skips a whole step: the others' last step waits for it in a header, which times
+    # out; the group is then unusable, and says so at once.
+    if rank == 0:
+        time.sleep(2 * TIMEOUT + 2)
+        # Completes the others' abandoned header, so that gloo can shut down.
+        dist.all_gather([torch.empty(5, dtype=torch.int64) for _ in range(world)], torch.zeros(5, dtype=torch.int64))
+    else:
+        _fails(TransferTimeout, r"header of site 0 \(forward\)", lambda: _healthy(attend, "skipped"))
+        _fails(RuntimeError, "can no longer be used", lambda: _healthy(attend, "broken"))
+    dist.barrier()
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_faults_name_themselves_and_the_next_step_works(compiler):
+    run_ranks(WORLD, _scenarios, compiler)
+
+
+def _dies(rank, world):
+    import ring_rewrite
+
+    attend = torch.compile(_attend, backend=ring_rewrite.backend(compiler="aot_eager", timeout=TIMEOUT))
+    _healthy(attend, "first step")
+    q, k, v = _inputs()
+    if rank == 1:
+        with _in_blocks(lambda: os._exit(0)):
+            _step(attend, q, k, v)
+    _fails(RuntimeError, "site 0", lambda: _step(attend, q, k, v))
+    _fails(RuntimeError, "site 0", lambda: _step(attend, q, k, v))
+
+
+def test_a_rank_that_dies_fails_the_others_by_name():
+    run_ranks(WORLD, _dies)
