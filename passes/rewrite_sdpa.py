@@ -72,13 +72,10 @@ def rewrite_sdpa(
         reason = unsupported_reason(site)
         plan = None
         if reason is None:
-            if site.attn_mask is not None and world > 1:
-                reason = "key-padding masks across ranks are not supported yet"
-            else:
-                try:
-                    plan = _plan(site, config, index, group, world, rank)
-                except ValueError as error:
-                    reason = str(error)
+            try:
+                plan = _plan(site, config, index, group, world, rank)
+            except ValueError as error:
+                reason = str(error)
         if plan is None:
             leave_alone(
                 gm, config, what="SDPA", fate="be rewritten", location=site.location,
@@ -147,9 +144,10 @@ def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: i
 def _key_bias(
     mask: torch.Tensor, plan: SitePlan, mask_shape: tuple[int, ...], is_bool: bool
 ) -> torch.Tensor:
-    """A key-padding mask (bool keep-mask or additive) as an additive bias ``(B|1, Hq|1, N)``."""
+    """A key-padding mask (bool keep-mask or additive) as an additive bias ``(B|1, Hq|1, N)``
+    (``N`` the keys this rank sees: the local shard's in sharded mode)."""
     lead = (1,) * (4 - len(mask_shape)) + tuple(mask_shape[:-2])
-    mask = mask.reshape(*lead, plan.n)
+    mask = mask.reshape(*lead, mask_shape[-1])
     if is_bool:
         return torch.where(mask, 0.0, float("-inf")).to(plan.dtype)
     return mask.to(plan.dtype)

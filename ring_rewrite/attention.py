@@ -183,6 +183,20 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block, heads: 
     return rows
 
 
+def _bias_rows(bias: torch.Tensor, layout, k0: int, k1: int) -> torch.Tensor:
+    """Key parts ``[k0, k1)`` of a dilated key bias ``(B*nseg, H, 1, m)`` as ``(B, H, 1, keys)``,
+    the keys in ``_rows``' order."""
+    x = bias.view(layout.batch, layout.nseg, bias.shape[1], 1, layout.m)[:, k0:k1]
+    if k1 - k0 == 1:
+        return x[:, 0]
+    return x.permute(0, 2, 3, 1, 4).reshape(layout.batch, bias.shape[1], 1, (k1 - k0) * layout.m)
+
+
+def _held(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The K/V a ring step holds, and their key bias if one travels with them."""
+    return kv[:2], (kv[2] if len(kv) > 2 else None)
+
+
 def _ring(rotater: Rotater, i: int, branch: BranchPlan) -> Ring:
     return rotater.ring(i, branch.send_to, branch.recv_from)
 
@@ -232,10 +246,11 @@ def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias):
 
 
 def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
-    """Out and lse of one head chunk of a ring branch; K/V travel while each step computes."""
+    """Out and lse of one head chunk of a ring branch; K/V travel while each step computes, and
+    so does their key bias (a mask), if any."""
     layout = branch.layout
     hq, hkv = heads
-    kv = [kd, vd]
+    kv = [kd, vd] if bias is None else [kd, vd, bias]
     acc_out: list = [None] * layout.nseg
     acc_lse: list = [None] * layout.nseg
     for step, blocks in enumerate(branch.steps):
@@ -245,12 +260,13 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
             with role("p2p", branch=i, step=step):
                 flight = ring.start(kv, KV, step, c)
         computed = []
+        held, held_bias = _held(kv)
         for blk in blocks:
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
                     _rows(qd, layout, blk.q0, blk.q1, hq),
-                    *_kv_rows(plan, layout, kv, blk, hkv),
-                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, hq),
+                    *_kv_rows(plan, layout, held, blk, hkv),
+                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1),
                     plan.scale,
                     blk.causal,
                 )
@@ -287,13 +303,14 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
     rotater = Rotater(plan.group_name, token)
     with role("shard"):
         ql, kl, vl = _local(plan, q), _local(plan, k), _local(plan, v)
+        ml = None if mask is None else _local(plan, mask)
     outs, lses = [], []
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         with role("dilate", branch=i):
             (qd,) = _dilate(plan, layout, ql)
             kd, vd = _dilate(plan, layout, kl, vl, kv=True, upcast=branch.is_local)
-            bias = _branch_bias(plan, branch, ql, mask)
+            bias = _branch_bias(plan, branch, ql, ml)
         if branch.is_local:
             with role("attention", branch=i):
                 od, lsed = torch.ops.ring_rewrite.block_attention(
@@ -362,7 +379,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
     """
     layout = branch.layout
     hq, hkv = heads
-    kv = [kd, vd]
+    kv = [kd, vd] if bias is None else [kd, vd, bias]
     home = None  # dK/dV of this rank's own K/V from step 0: they never leave
     dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
     dkv_flight = None  # the accumulators on their way to the next rank
@@ -376,15 +393,16 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
         dk_parts: list = [None] * layout.nseg
         dv_parts: list = [None] * layout.nseg
         computed = []
+        held, held_bias = _held(kv)
         for blk in blocks:
             with role("attention_backward", branch=i, step=step):
                 dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
                     _rows(dod, layout, blk.q0, blk.q1, hq),
                     _rows(qd, layout, blk.q0, blk.q1, hq),
-                    *_kv_rows(plan, layout, kv, blk, hkv),
+                    *_kv_rows(plan, layout, held, blk, hkv),
                     _rows(od, layout, blk.q0, blk.q1, hq),
                     _rows(lsed.unsqueeze(-1), layout, blk.q0, blk.q1, hq).squeeze(-1),
-                    None if bias is None else _rows(bias, layout, blk.k0, blk.k1, hq),
+                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1),
                     plan.scale,
                     blk.causal,
                 )
@@ -441,13 +459,14 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
     with role("shard"):
         ql, kl, vl, dol = (_local(plan, x) for x in (q, k, v, dout))
+        ml = None if mask is None else _local(plan, mask)
     dq = dk = dv = None
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         with role("dilate", branch=i):
             qd, dod, od = _dilate(plan, layout, ql, dol, out)
             kd, vd = _dilate(plan, layout, kl, vl, kv=True, upcast=branch.is_local)
-            bias = _branch_bias(plan, branch, ql, mask)
+            bias = _branch_bias(plan, branch, ql, ml)
             lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
         if branch.is_local:
             with role("attention_backward", branch=i):

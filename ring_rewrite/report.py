@@ -59,6 +59,9 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
         hops = len(branch.ring) - 1
         fwd += hops * rows * item
         bwd += hops * rows * item + hops * rows * 4  # K/V again, then float32 dK/dV
+        if plan.has_mask:  # the keys' bias travels with them, both ways
+            bias = layout.batch * layout.nseg * plan.hq * layout.m * _itemsize(plan.compute_dtype)
+            fwd, bwd = fwd + hops * bias, bwd + hops * bias
     if plan.gathers:
         local = plan.batch * plan.n_local
         tag = 8

@@ -18,17 +18,22 @@ def _case(rank, world, case, compiler):
     from ring_rewrite.report import bytes_sent
     from torch._dynamo.utils import counters
 
-    segs, rates, causal, sharding, layout, hq, hkv, n = case
+    segs, rates, causal, sharding, layout, hq, hkv, n, *masked = case
     torch.manual_seed(0)
     q = torch.randn(2, hq, n, 16, requires_grad=True)
     k = torch.randn(2, hkv, n, 16, requires_grad=True)
     v = torch.randn(2, hkv, n, 16, requires_grad=True)
     grad_out = torch.randn(2, hq, n, 16)
-    ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, is_causal=causal)
+    mask = _key_padding(masked[0], hq, n) if masked else None
+    ref = reference_attention(
+        q, k, v, segment_lengths=segs, dilation_rates=rates, is_causal=causal, key_bias=mask
+    )
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out.double())
 
-    def attend(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+    def attend(q, k, v, mask=None):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hq != hkv
+        )
 
     options = dict(
         segment_lengths=segs, dilation_rates=rates, sharding=sharding, layout=layout,
@@ -43,9 +48,11 @@ def _case(rank, world, case, compiler):
         cut = lambda x: ring_rewrite.shard(x.detach(), 2, layout=layout)  # noqa: E731
         inputs = tuple(cut(x).requires_grad_() for x in (q, k, v))
         expected, dout = [cut(x) for x in (ref, *ref_grads)], cut(grad_out)
+        if mask is not None:
+            mask = ring_rewrite.shard(mask, 3, layout=layout)  # the keys of this rank's shard
     sent = counters["ring_rewrite"]
     sent["bytes_sent"] = 0
-    out = compiled(*inputs)
+    out = compiled(*inputs) if mask is None else compiled(*inputs, mask)
     forward_bytes, sent["bytes_sent"] = sent["bytes_sent"], 0
     grads = torch.autograd.grad(out, inputs, dout)
     errors = [rel_err(a, b) for a, b in zip((out, *grads), expected)]
@@ -55,6 +62,20 @@ def _case(rank, world, case, compiler):
     planned = bytes_sent(record.plan)
     assert (forward_bytes, sent["bytes_sent"]) == (planned["forward"], planned["backward"])
     return record.plan
+
+
+def _key_padding(kind: str, hq: int, n: int) -> torch.Tensor:
+    """A key-padding mask over the global sequence: ``"bool"`` keeps ``(2, 1, 1, N)`` keys
+    (batch 0 drops its last quarter, batch 1 a stride of keys), ``"float"`` adds a ``(1, Hq, 1,
+    N)`` bias with some ``-inf``."""
+    if kind == "bool":
+        keep = torch.ones(2, 1, 1, n, dtype=torch.bool)
+        keep[0, ..., 3 * n // 4 :] = False
+        keep[1, ..., 1::5] = False
+        return keep
+    bias = torch.randn(1, hq, 1, n)
+    bias[..., 2::7] = float("-inf")
+    return bias
 
 
 def _cases(rank, world, cases, compiler, chunk_bytes=None):
@@ -78,6 +99,8 @@ CASES_P2 = [
     ([16, 64], [1, 2], True, "replicated", "zigzag", 4, 2, 64),
     ([8, 32, 64], [1, 2, 4], False, "sharded", "contiguous", 4, 4, 64),
     ([8, 32, 64], [1, 2, 4], True, "sharded", "zigzag", 8, 2, 64),
+    ([16, 64], [1, 2], False, "replicated", "zigzag", 4, 2, 64, "bool"),  # the mask travels
+    (None, None, False, "sharded", "contiguous", 4, 4, 64, "float"),
 ]
 CASES_P4 = [
     ([8, 32], [1, 2], True, "sharded", "contiguous", 4, 2, 64),  # w < shard: local; w > shard: sub-ring
@@ -85,6 +108,7 @@ CASES_P4 = [
     ([16, 64], [1, 4], False, "replicated", "zigzag", 4, 2, 64),  # zigzag sub-ring + full ring
     (None, None, True, "sharded", "zigzag", 4, 2, 64),
     ([8, 32, 64], [1, 2, 4], True, "replicated", "zigzag", 4, 4, 64),
+    ([8, 32, 64], [1, 2, 4], False, "sharded", "contiguous", 4, 2, 64, "bool"),
 ]
 
 
