@@ -114,11 +114,32 @@ def _agreement_key(record: SiteRecord) -> dict:
 
 
 def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: int, rank: int) -> SitePlan:
+    """The site's plan; in replicated mode, on a padded sequence where the ranks cannot share
+    the length as it is (Note [Padding the sequence] in ring_rewrite/attention.py)."""
+    try:
+        return _build(site, config, index, group, world, rank, pad=0)
+    except ValueError as error:
+        if config.sharding == "sharded" or world == 1:
+            raise
+        n = site.shapes["query"][2]
+        step = world * (2 if config.layout == "zigzag" else 1)
+        for padded in range(n + step - n % step, _MAX_PADDING * n + step, step):
+            try:
+                return _build(site, config, index, group, world, rank, pad=padded - n)
+            except ValueError:
+                continue
+        raise ValueError(f"{error}; no padding up to {_MAX_PADDING}x the length helps") from None
+
+
+_MAX_PADDING = 4  # a padded length is at most this multiple of the site's
+
+
+def _build(site, config, index, group, world, rank, *, pad) -> SitePlan:
     shapes = site.shapes
     b, hq, n, d = shapes["query"]
     hkv, dv = shapes["key"][1], shapes["value"][3]
     sharded = config.sharding == "sharded" and world > 1
-    n_global = n * world if sharded else n
+    n_global = n * world if sharded else n + pad
     return SitePlan.build(
         site=index,
         batch=b,
@@ -138,6 +159,7 @@ def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: i
         group_name=group.group_name if group is not None else "",
         sharding=config.sharding,
         layout=config.layout,
+        pad=pad,
     )
 
 

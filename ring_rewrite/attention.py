@@ -31,6 +31,17 @@ transfer and kernel call each, so ``SitePlan.head_chunks`` takes as many as divi
 heads while each K/V message stays at least ``RING_CHUNK_BYTES`` (small rings stay whole). In the
 backward a chunk's dK/dV make their last hop home while the next chunk's first step computes, so
 only the last chunk's last hop has nothing to overlap with.
+
+Note [Padding the sequence]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+In replicated mode the site chooses how to cut the sequence, so a length the ranks cannot
+share (``N`` not a multiple of ``P``, shards that are no multiple of a rate, segments that
+neither divide a shard nor are a multiple of it) is padded to the shortest ``N' > N`` that
+they can (``passes/rewrite_sdpa.py``, ``_padded_plan``). Padding goes after the sequence, so
+every real position, and with it every segment and lattice of SPEC §2, stays where it was;
+padded keys get a ``-inf`` bias (none is needed with ``is_causal``: they come after every real
+query), padded queries' rows are dropped from the output, and the gradients of the padding
+are dropped in the backward. The same function, exactly, at the cost of ``N' - N`` more tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from .layout import assemble, take_shard
 from .merge import merge_partials
 from .p2p import DKV, KV, KV_BACK, Ring, Rotater
 from .roles import role
-from .schedule import Block, BranchPlan, plan_branch
+from .schedule import Block, BranchPlan, plan_branch, shard_parts
 
 __all__ = ["SitePlan", "site_forward", "site_backward"]
 
@@ -78,12 +89,22 @@ class SitePlan:
     sharding: str
     layout: str
     branches: tuple[BranchPlan, ...]
+    pad: int = 0
+    """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence]):
+    ``n`` counts them; the site's inputs and outputs have ``n - pad`` tokens."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
+        pad=0,
     ):  # fmt: skip
+        pieces = world * shard_parts(layout)
+        if world > 1 and n % pieces:
+            raise ValueError(
+                f"a sequence of {n} tokens cannot be cut into {pieces} equal "
+                f"{'chunks' if layout == 'zigzag' else 'shards'} ({world} ranks, layout={layout!r})"
+            )
         plans = tuple(
             plan_branch(
                 w, r, n_global=n, world=world, rank=rank, layout=layout, is_causal=is_causal,
@@ -93,7 +114,7 @@ class SitePlan:
         )
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
-            world, rank, group_name, sharding, layout, plans,
+            world, rank, group_name, sharding, layout, plans, pad,
         )  # fmt: skip
 
     @property
@@ -123,7 +144,8 @@ class SitePlan:
 
     def needs_bias(self, branch: BranchPlan) -> bool:
         # Padded keys sit after every real query, so causal attention never sees them.
-        return self.has_mask or (branch.layout.padded != branch.layout.n and not self.is_causal)
+        padded = self.pad or branch.layout.padded != branch.layout.n
+        return self.has_mask or (padded and not self.is_causal)
 
 
 # ---- small pieces ------------------------------------------------------------------------------
@@ -133,6 +155,28 @@ def _local(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
     if not plan.gathers:
         return x
     return take_shard(x, 2, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
+
+
+def _padded(plan: SitePlan, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """``xs`` (sequence on dim 2) with the plan's padding after them (Note [Padding the
+    sequence])."""
+    if not plan.pad:
+        return list(xs)
+    return [torch.nn.functional.pad(x, (0, 0, 0, plan.pad)) for x in xs]
+
+
+def _padded_keys(plan: SitePlan, q: torch.Tensor, mask: torch.Tensor | None):
+    """The key bias ``(B|1, Hq|1, N)`` with the padded keys at ``-inf``; None where nothing is
+    masked (with ``is_causal`` no real query reaches a padded key)."""
+    if not plan.pad or (mask is None and plan.is_causal):
+        return mask
+    if mask is None:
+        mask = q.new_zeros(1, 1, plan.n - plan.pad)
+    return torch.nn.functional.pad(mask, (0, plan.pad), value=_NEG_INF)
+
+
+def _unpadded(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
+    return x.narrow(2, 0, plan.n - plan.pad) if plan.pad else x
 
 
 def _gather(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int, same=None):
@@ -302,8 +346,10 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
     transfers (``p2p.site_token``)."""
     rotater = Rotater(plan.group_name, token)
     with role("shard"):
-        ql, kl, vl = _local(plan, q), _local(plan, k), _local(plan, v)
-        ml = None if mask is None else _local(plan, mask)
+        qp, kp, vp = _padded(plan, q, k, v)
+        mp = _padded_keys(plan, q, mask)
+        ql, kl, vl = _local(plan, qp), _local(plan, kp), _local(plan, vp)
+        ml = None if mp is None else _local(plan, mp)
     outs, lses = [], []
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
@@ -328,7 +374,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
     if plan.gathers:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
-            out = _gather(plan, rotater, out, 0, _probe(plan, q))
+            out = _unpadded(plan, _gather(plan, rotater, out, 0, _probe(plan, qp)))
     return out, saved
 
 
@@ -458,8 +504,10 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
     with role("shard"):
-        ql, kl, vl, dol = (_local(plan, x) for x in (q, k, v, dout))
-        ml = None if mask is None else _local(plan, mask)
+        padded = _padded(plan, q, k, v, dout)
+        mp = _padded_keys(plan, q, mask)
+        ql, kl, vl, dol = (_local(plan, x) for x in padded)
+        ml = None if mp is None else _local(plan, mp)
     dq = dk = dv = None
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
@@ -486,5 +534,5 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
     if plan.gathers:
         with role("shard"):
             for j, g in enumerate(grads):
-                grads[j] = _gather(plan, rotater, g, 1 + j)
+                grads[j] = _unpadded(plan, _gather(plan, rotater, g, 1 + j))
     return (*grads, *(None for x in (mask, token) if x is not None))

@@ -59,7 +59,7 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
         hops = len(branch.ring) - 1
         fwd += hops * rows * item
         bwd += hops * rows * item + hops * rows * 4  # K/V again, then float32 dK/dV
-        if plan.has_mask:  # the keys' bias travels with them, both ways
+        if plan.needs_bias(branch):  # the keys' bias travels with them, both ways
             bias = layout.batch * layout.nseg * plan.hq * layout.m * _itemsize(plan.compute_dtype)
             fwd, bwd = fwd + hops * bias, bwd + hops * bias
     if plan.gathers:
@@ -143,6 +143,7 @@ class Report:
                     {
                         "branches (w, r)": " ".join(_branch_summary(b) for b in plan.branches),
                         "P / mode / layout": f"{plan.world} / {plan.sharding} / {plan.layout}"
+                        + (f" (N padded to {plan.n})" if plan.pad else "")
                         if plan.world > 1
                         else "1",
                         "causal": plan.is_causal,

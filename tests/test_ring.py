@@ -101,6 +101,11 @@ CASES_P2 = [
     ([8, 32, 64], [1, 2, 4], True, "sharded", "zigzag", 8, 2, 64),
     ([16, 64], [1, 2], False, "replicated", "zigzag", 4, 2, 64, "bool"),  # the mask travels
     (None, None, False, "sharded", "contiguous", 4, 4, 64, "float"),
+    # Lengths the ranks cannot share as they are: replicated mode pads (Note [Padding the
+    # sequence]): 50 -> 64, 96 -> 192 (segments of 32 and 96 fit no shard of 48), 40 -> 64.
+    ([16, 64], [1, 2], True, "replicated", "contiguous", 4, 2, 50),
+    ([32, 96], [1, 3], True, "replicated", "contiguous", 6, 6, 96),
+    ([8, 32], [1, 2], False, "replicated", "contiguous", 4, 4, 40, "bool"),
 ]
 CASES_P4 = [
     ([8, 32], [1, 2], True, "sharded", "contiguous", 4, 2, 64),  # w < shard: local; w > shard: sub-ring
@@ -109,6 +114,7 @@ CASES_P4 = [
     (None, None, True, "sharded", "zigzag", 4, 2, 64),
     ([8, 32, 64], [1, 2, 4], True, "replicated", "zigzag", 4, 4, 64),
     ([8, 32, 64], [1, 2, 4], False, "sharded", "contiguous", 4, 2, 64, "bool"),
+    (None, None, False, "replicated", "zigzag", 4, 2, 60),  # padded to 64, the padding masked
 ]
 
 
