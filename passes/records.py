@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch.fx as fx
@@ -14,6 +15,8 @@ from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.p2p import resolve_group
 
 __all__ = ["SiteRecord", "TOUCHED", "UnsupportedSiteError", "leave_alone", "records", "sharded"]
+
+log = logging.getLogger(__name__)
 
 TOUCHED = "ring_rewrite_passes"
 """``node.meta`` key of an SDPA node: the normalising passes that made or changed it."""
@@ -63,6 +66,12 @@ def leave_alone(
     if config.strict or sharded(config):
         why = "" if config.strict else "sharded mode cannot leave it alone: "
         raise UnsupportedSiteError(f"ring_dilated: {what} at {location} cannot {fate}: {why}{reason}")
+    # NOTE: logged, not warnings.warn: that shows a message once per process, and a site left
+    # alone must say so at every compile (SPEC §2).
+    log.warning(
+        "ring_dilated: %s at %s is left alone: it runs as written (plain attention, not dilated, "
+        "not across ranks): %s. strict=True makes this an error.", what, location, reason,
+    )  # fmt: skip
     counters["ring_rewrite"]["skipped"] += 1
     sites = records(gm)
     sites.append(SiteRecord(len(sites), location, kind, shapes, reason=reason))

@@ -173,3 +173,24 @@ def test_graphs_logged_through_torch_logs():
     assert "block_attention" in logged.stderr
     quiet = run_python(code)
     assert quiet.returncode == 0 and "ring_dilated rewrite" not in quiet.stderr
+
+
+@pytest.mark.parametrize("sharding", ["replicated", "sharded"])
+def test_recompile_limit_raises_instead_of_running_unrewritten(sharding):
+    # Past dynamo's limit a function would run uncompiled: plain SDPA (SPEC §2: it raises).
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=False):
+        backend = ring_rewrite.backend(
+            compiler="eager", segment_lengths=[8, 16], dilation_rates=[1, 2], sharding=sharding
+        )
+        attend = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend=backend, dynamic=False)
+        for n in (16, 32):
+            q = torch.randn(1, 2, n, 8)
+            expected = reference_attention(q, q, q, segment_lengths=[8, 16], dilation_rates=[1, 2])
+            assert rel_err(attend(q), expected) < 1e-5
+        assert torch._dynamo.config.fail_on_recompile_limit_hit
+        with pytest.raises(FailOnRecompileLimitHit) as info:
+            attend(torch.randn(1, 2, 48, 8))
+        assert "recompile_limit" in str(info.value.__cause__)
+        assert len(backend.records) == 2

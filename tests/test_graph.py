@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 import torch
 import torch.fx as fx
@@ -275,6 +278,47 @@ def test_unsupported_site_strict_raises(fn, reason):
         capture(fn, *_inputs(fn), strict=True)
     chain = [info.value, getattr(info.value, "inner_exception", None)]
     assert any(isinstance(e, UnsupportedSiteError) and reason in str(e) for e in chain)
+
+
+@contextlib.contextmanager
+def _logged(name="ring_rewrite.passes.records"):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_site_left_alone_warns_at_every_compile():
+    with _logged() as records:
+        capture(_dense_mask, *_inputs(_dense_mask))
+        capture(_dense_mask, *_inputs(_dense_mask))  # dynamo reset: a second compile
+    messages = [r.getMessage() for r in records]
+    assert len(messages) == 2 and messages[0] == messages[1], messages
+    assert "SDPA at " in messages[0] and "test_graph.py:" in messages[0]
+    assert "is left alone" in messages[0] and "dense attn_mask of shape (32, 32)" in messages[0]
+
+
+class _DropoutInTraining(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+
+
+def test_dropout_in_training_says_train_and_eval_differ():
+    model = _DropoutInTraining()
+    with _logged() as records:
+        trained = capture(model.train(), *qkv(hkv=4))
+        evaluated = capture(model.eval(), *qkv(hkv=4))
+    assert_left_alone(trained, site=0, reason="dropout_p=0.1 > 0")
+    assert_rewritten(evaluated, 1)
+    (message,) = [r.getMessage() for r in records]
+    assert "a call with dropout (training) computes plain attention while one without (eval) is rewritten" in message
+    with pytest.raises(Exception, match="cannot be rewritten: dropout_p=0.1"):
+        capture(model.train(), *qkv(hkv=4), strict=True)
 
 
 def test_only_supported_sites_rewritten():
