@@ -28,6 +28,7 @@ BENCHMARKS = {
     "ring_memory_longnet": ("ring_memory.py", ["--config", "longnet"], "ring_memory_longnet.json"),
     "ring_comm": ("ring_comm.py", [], "ring_comm.json"),
     "compile_cost": ("compile_cost.py", [], "compile_cost.json"),
+    "fault_soak": ("fault_soak.py", [], "fault_soak.json"),
 }
 
 

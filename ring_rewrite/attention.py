@@ -51,8 +51,10 @@ import dataclasses
 import torch
 
 from .kernels import block_kernel
+from .dilation import channels as last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
+from .ops import stat_dtype
 from .p2p import DKV, KV, KV_BACK, Ring, Rotater
 from .roles import role
 from .schedule import Block, BranchPlan, plan_branch, shard_parts
@@ -121,6 +123,11 @@ class SitePlan:
     def compute_dtype(self) -> torch.dtype:
         """What the blocks compute in: the device's block kernel says (``kernels.py``)."""
         return block_kernel(self.device).compute_dtype(self.dtype)
+
+    @property
+    def stat_dtype(self) -> torch.dtype:
+        """What lse, merges and gradient sums are kept in (``ops.stat_dtype``)."""
+        return stat_dtype(self.dtype)
 
     @property
     def n_local(self) -> int:
@@ -197,10 +204,11 @@ def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torc
 
 def _rows(x: torch.Tensor, layout, p0: int, p1: int, heads: int) -> torch.Tensor:
     """Parts ``[p0, p1)`` of a dilated ``(B*nseg, H, m, C)`` tensor as ``(B, H, rows, C)``."""
-    x = x.view(layout.batch, layout.nseg, heads, layout.m, -1)[:, p0:p1]
+    c = last_dim(x, layout.batch)
+    x = x.view(layout.batch, layout.nseg, heads, layout.m, c)[:, p0:p1]
     if p1 - p0 == 1:
         return x[:, 0]
-    return x.transpose(1, 2).reshape(layout.batch, heads, (p1 - p0) * layout.m, -1)
+    return x.transpose(1, 2).reshape(layout.batch, heads, (p1 - p0) * layout.m, c)
 
 
 def _split_rows(x: torch.Tensor, layout, p0: int, p1: int) -> list[torch.Tensor]:
@@ -248,12 +256,13 @@ def _ring(rotater: Rotater, i: int, branch: BranchPlan) -> Ring:
 def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
     """A few query values spread over the sequence (replicated mode compares them across
     ranks): a strided view, then a copy of at most ``Hq * 16`` values, never of all of q."""
-    return q[0, :, :: max(1, plan.n // 16), 0].reshape(-1)
+    return q[:1, :, :: max(1, plan.n // 16), 0].reshape(-1)
 
 
-def _acc(total, x):
-    # Contributions add up in float32 (SPEC §5).
-    return x if total is None else total.float() + x.float()
+def _acc(plan: SitePlan, total, x):
+    # Contributions add up in float32, or float64 for float64 inputs (SPEC §5, ``stat_dtype``).
+    acc = plan.stat_dtype
+    return x if total is None else total.to(acc) + x.to(acc)
 
 
 # ---- forward -------------------------------------------------------------------------------
@@ -382,7 +391,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
 
 
 def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias):
-    """dq and, back at their owner, dk and dv of one ring branch (all dilated, float32), one
+    """dq and, back at their owner, dk and dv of one ring branch (all dilated, ``stat_dtype``), one
     head chunk after another.
 
     NOTE: a chunk's dK/dV make their last hop home while the next chunk's first step computes
@@ -460,7 +469,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
                     (dv_parts, dv, (blk.k0, blk.k1)),
                 ):
                     for part, piece in zip(range(p0, p1), _split_rows(x, layout, p0, p1)):
-                        parts[part] = _acc(parts[part], piece.float())
+                        parts[part] = _acc(plan, parts[part], piece.to(plan.stat_dtype))
         if landing is not None:
             landed = _land(ring, i, branch, landing, computed)
             landing = None
@@ -472,7 +481,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
         if blocks or step <= 1:
             with role("merge", branch=i, step=step):
                 here = [
-                    _join_parts([_or_zeros(p, layout, hkv, channels, kd) for p in parts], layout)
+                    _join_parts([_or_zeros(plan, p, layout, hkv, channels, kd) for p in parts], layout)
                     for parts, channels in ((dk_parts, plan.d), (dv_parts, plan.dv))
                 ]
                 if step == 0:
@@ -488,12 +497,12 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
     return _join_parts(dq_parts, layout), landed, (dkv_flight, home)
 
 
-def _or_zeros(part, layout, heads: int, channels: int, like: torch.Tensor):
-    """A part's float32 gradient, or zeros where no block of this step touched it."""
+def _or_zeros(plan: SitePlan, part, layout, heads: int, channels: int, like: torch.Tensor):
+    """A part's gradient (``stat_dtype``), or zeros where no block of this step touched it."""
     if part is not None:
         return part
     shape = (layout.batch, heads, layout.m, channels)
-    return like.new_zeros(shape, dtype=torch.float32)
+    return like.new_zeros(shape, dtype=plan.stat_dtype)
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None):
@@ -526,9 +535,9 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
                 plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias
             )
         with role("undilate", branch=i):
-            dq = _acc(dq, layout.undilate_q(dqd))
-            dk = _acc(dk, layout.accumulate_kv(dkd, plan.d))
-            dv = _acc(dv, layout.accumulate_kv(dvd, plan.dv))
+            dq = _acc(plan, dq, layout.undilate_q(dqd))
+            dk = _acc(plan, dk, layout.accumulate_kv(dkd, plan.d))
+            dv = _acc(plan, dv, layout.accumulate_kv(dvd, plan.dv))
     with role("undilate"):
         grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
     if plan.gathers:

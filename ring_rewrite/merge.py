@@ -16,14 +16,16 @@ def merge_partials(
 
     ``outs[i] (..., L, Dv)`` and ``lses[i] (..., L)`` may hold ``-inf`` rows (no key). The merge
     is ``L = logsumexp_i lse_i`` and ``O = sum_i exp(lse_i - L) * O_i`` (SPEC §2; the identity
-    ring-flash-attention's ``_update_out_and_lse`` applies pairwise), computed in float32 as
+    ring-flash-attention's ``_update_out_and_lse`` applies pairwise), computed in float32 (or
+    float64, if an input is) as
     ``O = sum_i w_i O_i / sum_i w_i`` with ``w_i = exp(lse_i - max_i lse_i)``: the weights then
     sum to 1 exactly even where ``|L|`` is large and its float32 rounding is not. Rows where
     every ``lse_i`` is ``-inf`` give ``O = 0`` and ``L = -inf``.
     """
     if len(outs) == 1:
         return outs[0], lses[0]
-    lses = [x.float() for x in lses]
+    acc = torch.promote_types(torch.promote_types(outs[0].dtype, lses[0].dtype), torch.float32)
+    lses = [x.to(acc) for x in lses]
     top = lses[0]
     for x in lses[1:]:
         top = torch.maximum(top, x)
@@ -31,10 +33,10 @@ def merge_partials(
     top = torch.where(top == float("-inf"), 0.0, top)
     weights = [torch.exp(x - top) for x in lses]
     total = weights[0]
-    out = weights[0].unsqueeze(-1) * outs[0].float()
+    out = weights[0].unsqueeze(-1) * outs[0].to(acc)
     for w, o in zip(weights[1:], outs[1:]):
         total = total + w
-        out = out + w.unsqueeze(-1) * o.float()
+        out = out + w.unsqueeze(-1) * o.to(acc)
     # NOTE: total >= 1 wherever some lse_i is finite (the max contributes exp(0)).
     out = out / torch.where(total > 0, total, 1.0).unsqueeze(-1)
     return out, top + torch.log(total)

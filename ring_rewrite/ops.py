@@ -4,6 +4,7 @@
 ``q (B, Hq, L, D)``, ``k (B, Hkv, S, D)``, ``v (B, Hkv, S, Dv)``, GQA by head groups
 (query head j reads kv head ``j // (Hq // Hkv)``), an optional additive key bias broadcast to
 ``(B, Hq, L, S)``, causal top-left aligned. ``out`` has the input dtype, ``lse`` is float32
+(float64 for float64 inputs: ``stat_dtype``)
 ``(B, Hq, L)`` in natural log and is ``-inf`` for a row with nothing to attend (the CPU flash
 kernel reports 0 there). Each device's kernel comes from ``kernels.py``.
 
@@ -19,7 +20,13 @@ import torch
 
 from .kernels import block_kernel
 
-__all__ = ["block_attention", "block_attention_backward"]
+__all__ = ["block_attention", "block_attention_backward", "stat_dtype"]
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What log-sum-exps, merges and gradient sums are kept in: float32, or the input's dtype
+    where that is wider (SPEC §5: float64 inputs get float64 accuracy at every P)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _empty_rows(bias: torch.Tensor, lse_shape: torch.Size, is_causal: bool) -> torch.Tensor:
@@ -48,7 +55,7 @@ def block_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = block_kernel(q.device).forward(q, k, v, bias, scale, is_causal)
     out = out.contiguous()
-    lse = lse.float().contiguous()
+    lse = lse.to(stat_dtype(q.dtype)).contiguous()
     if bias is not None:
         lse = lse.masked_fill(_empty_rows(bias, lse.shape, is_causal), float("-inf"))
     return out, lse
@@ -57,7 +64,7 @@ def block_attention(
 @block_attention.register_fake
 def _(q, k, v, bias, scale, is_causal):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    lse = q.new_empty(q.shape[:-1], dtype=stat_dtype(q.dtype))
     return out, lse
 
 

@@ -136,10 +136,19 @@ def _attend_rows(q, k, v, key_bias, *, start, stop, branches, is_causal, scale) 
 
 
 def _attend(q, k, v, counts, key_bias, scale) -> torch.Tensor:
-    """Softmax attention with the additive bias ``log counts`` (+ ``key_bias``); empty rows give 0."""
-    scores = scale * q @ k.transpose(-1, -2) + counts.log()
+    """Softmax attention with the additive bias ``log counts`` (+ ``key_bias``); empty rows give 0.
+
+    NaN propagates as in SDPA's kernels: a row is NaN when its query is, or when a key it is
+    connected to has a NaN score or value. Keys it is not connected to (or masked to ``-inf``)
+    are not attended at all, so a NaN there does not reach it (SDPA's flash kernel skips masked
+    blocks too; within a block it computes it may still multiply a NaN value by probability 0).
+    """
+    scores = torch.where(counts > 0, scale * q @ k.transpose(-1, -2) + counts.log(), float("-inf"))
     if key_bias is not None:
         scores = scores + key_bias.double()
-    live = scores.amax(-1, keepdim=True) > float("-inf")
+    live = ~(scores == float("-inf")).all(-1, keepdim=True)
     probs = torch.softmax(torch.where(live, scores, 0.0), dim=-1) * live
-    return probs @ v
+    out = probs @ torch.nan_to_num(v, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    # Rows that attend to a NaN value (probability > 0, or NaN itself).
+    bad = ((probs != 0).to(v.dtype) @ v.isnan().any(-1, keepdim=True).to(v.dtype)) > 0
+    return torch.where(bad, float("nan"), out)

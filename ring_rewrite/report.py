@@ -49,7 +49,7 @@ def dense_flops(plan: SitePlan) -> int:
 
 def bytes_sent(plan: SitePlan) -> dict[str, int]:
     """Bytes this rank sends per forward and per backward (what the P2P ops count)."""
-    item = _itemsize(plan.dtype)
+    item, stat = _itemsize(plan.dtype), _itemsize(plan.stat_dtype)
     fwd = bwd = 0
     for branch in plan.branches:
         if branch.is_local:
@@ -58,7 +58,7 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
         rows = layout.batch * layout.nseg * layout.kv_heads * layout.m * (plan.d + plan.dv)
         hops = len(branch.ring) - 1
         fwd += hops * rows * item
-        bwd += hops * rows * item + hops * rows * 4  # K/V again, then float32 dK/dV
+        bwd += hops * rows * item + hops * rows * stat  # K/V again, then dK/dV (stat_dtype)
         if plan.needs_bias(branch):  # the keys' bias travels with them, both ways
             bias = layout.batch * layout.nseg * plan.hq * layout.m * _itemsize(plan.compute_dtype)
             fwd, bwd = fwd + hops * bias, bwd + hops * bias
@@ -75,15 +75,16 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
 def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
     """Estimated activation memory of the site on this rank, in bytes.
 
-    ``saved``: what forward keeps for backward (merged out and float32 lse; q, k, v are the
+    ``saved``: what forward keeps for backward (merged out and lse, float32 or float64; q, k, v are the
     inputs'). ``peak``: ``saved`` plus the gradients handed back, plus the largest branch's
-    dilated copies (rate > 1) and ring buffers (K/V arriving; float32 dK/dV: the owner's step-0
+    dilated copies (rate > 1) and ring buffers (K/V arriving; dK/dV in float32 or float64: the owner's step-0
     share, an accumulator sent, one arriving).
     Kernel scratch is left out: measured peaks run up to a third higher (benchmarks/README.md).
     """
     item, compute = _itemsize(plan.dtype), _itemsize(plan.compute_dtype)
+    stat = _itemsize(plan.stat_dtype)
     rows = plan.batch * plan.hq * plan.n_local
-    saved = rows * plan.dv * item + rows * 4
+    saved = rows * plan.dv * item + rows * stat
     grads = (rows * plan.d + plan.batch * plan.hkv * plan.n_local * (plan.d + plan.dv)) * item
     branch_peak = 0
     for branch in plan.branches:
@@ -92,7 +93,7 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
         kv = plan.batch * layout.kv_heads * layout.padded // layout.r * (plan.d + plan.dv)
         copies = q_rows * (2 * plan.d + plan.dv) * compute + kv * item if layout.r > 1 else 0
         # One head chunk's ring buffers at a time (Note [Head chunks]).
-        in_flight = 0 if branch.is_local else (kv * item + 3 * kv * 4) // plan.head_chunks(branch)
+        in_flight = 0 if branch.is_local else (kv * item + 3 * kv * stat) // plan.head_chunks(branch)
         branch_peak = max(branch_peak, copies + in_flight)
     return {"saved": saved, "peak": saved + grads + branch_peak}
 

@@ -329,3 +329,48 @@ def test_inductor_multi_branch_causal_gqa():
     got = _forward_backward(fn, q, k, v, dout)
     _assert_rewritten()
     _assert_close(got, _reference(config, q, k, v, dout, is_causal=True))
+
+
+# ---- NaN and empty inputs ---------------------------------------------------------------------
+
+
+def _nan_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.isnan().any(-1)
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_nan_reaches_the_rows_sdpa_reaches(is_causal, compiler):
+    """A NaN in q, k or v reaches the rows it reaches in SDPA: in the reference (both of its
+    paths) and in the rewritten attention. One exception, SDPA's flash kernel: a NaN value
+    multiplied by probability 0 (the rows before it, under ``is_causal``, within one kernel
+    block) is NaN there; the reference, by definition, leaves rows that do not attend to it."""
+    fn = _compile(None, compiler=compiler, is_causal=is_causal)
+    for where in ("q", "k", "v"):
+        q, k, v = _inputs(1, 2, 2, 40, 8, 8)
+        x = {"q": q, "k": k, "v": v}[where]
+        with torch.no_grad():
+            x[0, 1, 17] = float("nan")
+        sdpa = _nan_rows(F.scaled_dot_product_attention(q, k, v, is_causal=is_causal))
+        ours = _nan_rows(fn(q, k, v))
+        assert torch.equal(ours, sdpa), where
+        connected = torch.zeros_like(sdpa)
+        if where == "q":
+            connected[0, 1, 17] = True
+        else:
+            connected[0, 1, 17 if is_causal else 0 :] = True
+        for chunk in (None, 7):
+            ref = reference_attention(q, k, v, is_causal=is_causal, query_chunk=chunk)
+            assert torch.equal(_nan_rows(ref), connected), (where, chunk)
+        if not (is_causal and where == "v"):
+            assert torch.equal(connected, sdpa), where
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("config", [None, ([8, 16], [1, 2])], ids=["exact", "dilated"])
+def test_batch_of_zero_gives_empty_results(config, compiler):
+    fn = _compile(config, compiler=compiler, is_causal=True)
+    q, k, v = _inputs(0, 2, 2, 32, 8, 8)
+    out, grads = _forward_backward(fn, q, k, v, torch.randn(0, 2, 32, 8))
+    _assert_rewritten()
+    assert [tuple(x.shape) for x in (out, *grads)] == [(0, 2, 32, 8)] * 4
