@@ -4,10 +4,12 @@ from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
 from .backend import backend, register, ring_dilated, ring_dilated_backend
 from .config import RingDilatedConfig
 from .layout import positions, shard, unshard
+from .recompiles import RecompileLimitError
 from .reference import reference_attention
 from .report import Report, explain
 
 __all__ = [
+    "RecompileLimitError",
     "Report",
     "RingDilatedConfig",
     "backend",

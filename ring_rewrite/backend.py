@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import recompiles
 from .config import RingDilatedConfig
 from .p2p import inductor_lowering
 from .passes import check_disabled, run_passes
@@ -47,7 +48,7 @@ class RingDilatedBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
         inductor_lowering()  # whichever compiler lowers the graph, inductor must know the ring
-        raise_at_recompile_limit()
+        recompiles.mark_compiled()  # past the recompile limit this frame raises (Note [Recompile limit])
         config = self.config
         if kwargs.get("options") is not None:
             config = RingDilatedConfig.from_options(kwargs["options"])
@@ -58,41 +59,6 @@ class RingDilatedBackend:
         if self.inner is not None:
             return self.inner(gm, example_inputs)
         return _lower(gm, example_inputs, config.compiler)
-
-
-def raise_at_recompile_limit() -> None:
-    """Make a function past dynamo's recompile limit raise instead of running un-rewritten.
-
-    Note [Recompile limit]
-    ~~~~~~~~~~~~~~~~~~~~~~
-    Past ``torch._dynamo.config.recompile_limit`` compiles of one function (8: eight sequence
-    lengths, say), dynamo runs it *uncompiled*: the original SDPA, a different function (in
-    sharded mode, attention within the local shard), with one generic log line. SPEC §2: a call
-    is rewritten or it raises. Dynamo has no per-backend switch, so the first compile by this
-    backend sets the process-wide ``torch._dynamo.config.fail_on_recompile_limit_hit``: from
-    then on a function past the limit raises ``FailOnRecompileLimitHit`` (dynamo's message names
-    the limit and the config to raise), for every backend in the process; every compile by this
-    backend sets it again. Under ``suppress_errors`` (which dynamo refuses to combine with it)
-    nothing is set, and a warning says that the limit then falls back.
-    """
-    from torch._dynamo import config as dynamo_config
-
-    if dynamo_config.fail_on_recompile_limit_hit:
-        return
-    if dynamo_config.suppress_errors:
-        log.warning(
-            "ring_dilated: torch._dynamo.config.suppress_errors is set, so past "
-            "torch._dynamo.config.recompile_limit (%d) a function runs un-rewritten (plain "
-            "attention), silently", dynamo_config.recompile_limit,
-        )  # fmt: skip
-        return
-    dynamo_config.fail_on_recompile_limit_hit = True
-    log.info(
-        "ring_dilated: set torch._dynamo.config.fail_on_recompile_limit_hit = True: past "
-        "torch._dynamo.config.recompile_limit (%d) a call raises instead of running un-rewritten",
-        dynamo_config.recompile_limit,
-    )  # fmt: skip
-
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list[Any], compiler: str):
@@ -168,6 +134,8 @@ def _apply(obj: T, *, config: RingDilatedConfig) -> T:
 def register() -> None:
     """Register ``"ring_dilated"`` with dynamo unless the entry point is about to (or did)."""
     from torch._dynamo.backends import registry
+
+    recompiles.install()
 
     if BACKEND_NAME in registry._COMPILER_FNS:
         return

@@ -177,10 +177,14 @@ def test_graphs_logged_through_torch_logs():
 
 @pytest.mark.parametrize("sharding", ["replicated", "sharded"])
 def test_recompile_limit_raises_instead_of_running_unrewritten(sharding):
-    # Past dynamo's limit a function would run uncompiled: plain SDPA (SPEC §2: it raises).
-    from torch._dynamo.exc import FailOnRecompileLimitHit
+    # Past dynamo's limit a function would run uncompiled: plain SDPA (SPEC §2: it raises), for
+    # our frames only (Note [Recompile limit]).
+    from torch._dynamo.testing import CompileCounter
 
-    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=False):
+    def lengths(fn, *ns):
+        return [fn(torch.randn(1, 2, n, 8)) for n in ns]
+
+    with torch._dynamo.config.patch(recompile_limit=2):
         backend = ring_rewrite.backend(
             compiler="eager", segment_lengths=[8, 16], dilation_rates=[1, 2], sharding=sharding
         )
@@ -189,8 +193,17 @@ def test_recompile_limit_raises_instead_of_running_unrewritten(sharding):
             q = torch.randn(1, 2, n, 8)
             expected = reference_attention(q, q, q, segment_lengths=[8, 16], dilation_rates=[1, 2])
             assert rel_err(attend(q), expected) < 1e-5
-        assert torch._dynamo.config.fail_on_recompile_limit_hit
-        with pytest.raises(FailOnRecompileLimitHit) as info:
-            attend(torch.randn(1, 2, 48, 8))
-        assert "recompile_limit" in str(info.value.__cause__)
+        for _ in range(2):  # every call past the limit, not only the first
+            with pytest.raises(ring_rewrite.RecompileLimitError) as info:
+                attend(torch.randn(1, 2, 48, 8))
+        message = str(info.value)
+        assert "torch._dynamo.config.recompile_limit (2)" in message
+        assert "as plain SDPA" in message and "pad inputs to a few lengths" in message
         assert len(backend.records) == 2
+        lengths(attend, 16, 32)  # the compiled lengths still run
+        # Another backend's function in the same process still falls back, as dynamo has it.
+        counter = CompileCounter()
+        plain = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q) + 1, backend=counter, dynamic=False)
+        lengths(plain, 16, 32, 48, 64)
+        assert counter.frame_count == 2
+        assert not torch._dynamo.config.fail_on_recompile_limit_hit
