@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import random
 import sys
@@ -42,6 +41,8 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for _common
 from _common import RESULTS, TOLERANCE, machine, rel_err, rss, run_ranks, verdict, write_json  # noqa: E402
 
+from ring_rewrite.testing import InjectedFault, in_block_kernel  # noqa: E402
+
 WORLD = 4
 TIMEOUT = 2.0
 FAULTS = ("block", "late", "between", "variant", "no_backward")
@@ -50,10 +51,6 @@ TARGETS = {
     "pending": "no transfer left pending or abandoned at the end",
     "right": "every step that raised nowhere matches the float64 reference",
 }
-
-
-class Injected(RuntimeError):
-    pass
 
 
 def _attend(q, k, v, causal):
@@ -65,40 +62,20 @@ def _inputs():
     return [torch.randn(1, 2, 32, 8, requires_grad=True) for _ in range(3)]
 
 
-@contextlib.contextmanager
-def _in_first_block(fault):
-    """``fault()`` in this rank's first block attention kernel call."""
-    from ring_rewrite import kernels
-
-    kernel = kernels.KERNELS["cpu"]
-    pending = [fault]
-
-    def forward(*args):
-        if pending:
-            pending.pop()()
-        return kernel.forward(*args)
-
-    kernels.KERNELS["cpu"] = dataclasses.replace(kernel, forward=forward)
-    try:
-        yield
-    finally:
-        kernels.KERNELS["cpu"] = kernel
-
-
 def _raise():
-    raise Injected("block failed")
+    raise InjectedFault("block failed")
 
 
 def _step(attend, fault: str | None, mine: bool) -> torch.Tensor:
     q, k, v = _inputs()
     with contextlib.ExitStack() as stack:
         if mine and fault == "block":
-            stack.enter_context(_in_first_block(_raise))
+            stack.enter_context(in_block_kernel(_raise, times=1))
         if mine and fault == "late":
-            stack.enter_context(_in_first_block(lambda: time.sleep(TIMEOUT + 0.5)))
+            stack.enter_context(in_block_kernel(lambda: time.sleep(TIMEOUT + 0.5), times=1))
         x = attend(q, k, v, not (mine and fault == "variant"))
         if mine and fault == "between":
-            raise Injected("raised between the calls")
+            raise InjectedFault("raised between the calls")
         out = attend(x, k, v, False)
         if mine and fault == "no_backward":
             return None

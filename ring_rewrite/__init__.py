@@ -4,6 +4,7 @@ from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
 from .backend import backend, register, ring_dilated, ring_dilated_backend
 from .config import RingDilatedConfig
 from .layout import positions, shard, unshard
+from .p2p import RingOutOfStep, TransferTimeout
 from .recompiles import RecompileLimitError
 from .reference import reference_attention
 from .report import Report, explain
@@ -12,6 +13,8 @@ __all__ = [
     "RecompileLimitError",
     "Report",
     "RingDilatedConfig",
+    "RingOutOfStep",
+    "TransferTimeout",
     "backend",
     "explain",
     "positions",

@@ -235,13 +235,13 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block, heads: 
     return rows
 
 
-def _bias_rows(bias: torch.Tensor, layout, k0: int, k1: int) -> torch.Tensor:
-    """Key parts ``[k0, k1)`` of a dilated key bias ``(B*nseg, H, 1, m)`` as ``(B, H, 1, keys)``,
-    the keys in ``_rows``' order."""
-    x = bias.view(layout.batch, layout.nseg, bias.shape[1], 1, layout.m)[:, k0:k1]
+def _bias_rows(bias: torch.Tensor, layout, k0: int, k1: int, heads: int) -> torch.Tensor:
+    """Key parts ``[k0, k1)`` of a dilated key bias ``(B*nseg, heads, 1, m)`` as ``(B, heads,
+    1, keys)``, the keys in ``_rows``' order."""
+    x = bias.view(layout.batch, layout.nseg, heads, 1, layout.m)[:, k0:k1]
     if k1 - k0 == 1:
         return x[:, 0]
-    return x.permute(0, 2, 3, 1, 4).reshape(layout.batch, bias.shape[1], 1, (k1 - k0) * layout.m)
+    return x.permute(0, 2, 3, 1, 4).reshape(layout.batch, heads, 1, (k1 - k0) * layout.m)
 
 
 def _held(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -319,7 +319,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
                 out, lse = torch.ops.ring_rewrite.block_attention(
                     _rows(qd, layout, blk.q0, blk.q1, hq),
                     *_kv_rows(plan, layout, held, blk, hkv),
-                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1),
+                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1, hq),
                     plan.scale,
                     blk.causal,
                 )
@@ -457,7 +457,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
                     *_kv_rows(plan, layout, held, blk, hkv),
                     _rows(od, layout, blk.q0, blk.q1, hq),
                     _rows(lsed.unsqueeze(-1), layout, blk.q0, blk.q1, hq).squeeze(-1),
-                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1),
+                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1, hq),
                     plan.scale,
                     blk.causal,
                 )

@@ -620,7 +620,7 @@ def _fingerprint(x: torch.Tensor) -> torch.Tensor:
     raw = x.detach().reshape(-1).view(torch.uint8)
     raw = torch.nn.functional.pad(raw, (0, -raw.numel() % 4))
     words = raw.view(torch.int32).to(torch.int64)
-    weights = torch.arange(1, 2 * words.numel(), 2, dtype=torch.int64, device=x.device)
+    weights = torch.arange(words.numel(), dtype=torch.int64, device=x.device) * 2 + 1
     return torch.stack([words.sum(), (words * weights).sum()])
 
 

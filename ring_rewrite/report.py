@@ -65,7 +65,7 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
     if plan.gathers:
         local = plan.batch * plan.n_local
         tag = 8
-        probe = plan.hq * len(range(0, plan.n, max(1, plan.n // 16))) * item
+        probe = plan.hq * len(range(0, plan.n, max(1, plan.n // 16))) * item if plan.batch else 0
         fwd += (plan.world - 1) * (local * plan.hq * plan.dv * item + tag + probe)
         grads = local * (plan.hq * plan.d + plan.hkv * (plan.d + plan.dv)) * item + 3 * tag
         bwd += (plan.world - 1) * grads

@@ -176,7 +176,8 @@ def _float64(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_float64_and_empty_inputs(world):
+def test_float64_and_empty_inputs(world, monkeypatch):
+    monkeypatch.setenv(CHECK, "1")  # fingerprints of float64 and of empty messages too
     run_ranks(world, _float64)
 
 

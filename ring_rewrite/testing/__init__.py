@@ -29,6 +29,8 @@ What each piece looks at (SPEC §4):
 * ``buffers_in_flight_violations``: in that code, every buffer a transfer sends stays alive and
   unwritten from its start to its wait, and the wait reads the buffers the start sent (Note
   [Buffers in flight] in ``ring_rewrite/p2p.py``).
+* ``in_block_kernel``: a fault (raise ``InjectedFault``, stall, exit) in this rank's block
+  attention, between a transfer's start and its wait (``tests/test_faults.py``).
 * ``assert_expected_graph``: the normalised graph text equals a stored file; with
   ``RING_REWRITE_ACCEPT=1`` in the environment the file is (re)written instead, as
   ``EXPECTTEST_ACCEPT=1`` does for torch's ``assertExpectedInline``.
@@ -37,7 +39,8 @@ The ``ring_graphs`` pytest fixture (``ring_rewrite.pytest_plugin``) hands all of
 
 One module per job: ``capture`` (graphs before and after the passes; AOT graphs through torch's
 ``AotEagerAndRecordGraphs``), ``graphs`` (stable text, op names, site bodies), ``diff``,
-``schedule`` (the ring's transfers), ``asserts``, ``expected`` and ``generated`` (inductor's code).
+``schedule`` (the ring's transfers), ``asserts``, ``expected``, ``generated`` (inductor's code) and
+``faults``.
 """
 
 
@@ -45,6 +48,7 @@ from .asserts import assert_left_alone, assert_rewritten, assert_same_p2p_schedu
 from .capture import Capture, capture, capture_ranks
 from .diff import GraphDiff, NodeInfo, SiteSummary, graph_diff
 from .expected import ACCEPT_ENV, assert_expected_graph
+from .faults import InjectedFault, in_block_kernel
 from .generated import buffers_in_flight_violations, check_code, inductor_code
 from .graphs import graph_text, op_label, site_body
 from .schedule import Transfer, transfers
@@ -53,6 +57,7 @@ __all__ = [
     "ACCEPT_ENV",
     "Capture",
     "GraphDiff",
+    "InjectedFault",
     "NodeInfo",
     "SiteSummary",
     "Transfer",
@@ -66,6 +71,7 @@ __all__ = [
     "check_code",
     "graph_diff",
     "graph_text",
+    "in_block_kernel",
     "inductor_code",
     "op_label",
     "site_body",
