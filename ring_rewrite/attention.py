@@ -37,7 +37,7 @@ Note [Padding the sequence]
 In replicated mode the site chooses how to cut the sequence, so a length the ranks cannot
 share (``N`` not a multiple of ``P``, shards that are no multiple of a rate, segments that
 neither divide a shard nor are a multiple of it) is padded to the shortest ``N' > N`` that
-they can (``passes/rewrite_sdpa.py``, ``_padded_plan``). Padding goes after the sequence, so
+they can (``passes/rewrite_sdpa.py``, ``_plan``). Padding goes after the sequence, so
 every real position, and with it every segment and lattice of SPEC §2, stays where it was;
 padded keys get a ``-inf`` bias (none is needed with ``is_causal``: they come after every real
 query), padded queries' rows are dropped from the output, and the gradients of the padding
@@ -51,7 +51,7 @@ import dataclasses
 import torch
 
 from .kernels import block_kernel
-from .dilation import channels as last_dim
+from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
 from .ops import stat_dtype

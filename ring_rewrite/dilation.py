@@ -28,10 +28,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BranchLayout", "channels"]
+__all__ = ["BranchLayout", "last_dim"]
 
 
-def channels(x: torch.Tensor, batch: int):
+def last_dim(x: torch.Tensor, batch: int):
     """The last dim's size for a view of ``x``: ``-1``, except with a batch of 0, where ``-1``
     is ambiguous and the size is spelled out."""
     return -1 if batch else x.shape[-1]
@@ -125,12 +125,12 @@ class BranchLayout:
         """(B, H, n, C) -> (B, nseg, H, r, m, C), padding the sequence with ``fill``."""
         if self.padded != self.n:
             x = F.pad(x, (0, 0, 0, self.padded - self.n), value=fill)
-        x = x.view(self.batch, heads, self.nseg, self.m, self.r, channels(x, self.batch))
+        x = x.view(self.batch, heads, self.nseg, self.m, self.r, last_dim(x, self.batch))
         return x.permute(0, 2, 1, 4, 3, 5)
 
     def _merge_split(self, y: torch.Tensor, heads: int) -> torch.Tensor:
         """(B, nseg, H, r, m, C) -> (B, H, n, C): inverse of ``_split``."""
-        y = y.permute(0, 2, 1, 4, 3, 5).reshape(self.batch, heads, self.padded, channels(y, self.batch))
+        y = y.permute(0, 2, 1, 4, 3, 5).reshape(self.batch, heads, self.padded, last_dim(y, self.batch))
         return y if self.padded == self.n else y[:, :, : self.n]
 
     def dilate_q(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
@@ -141,11 +141,11 @@ class BranchLayout:
         else:
             head, off = self._q_pairs(x.device)
             y = x6[:, :, head, off]
-        return y.reshape(self.batch * self.nseg, self.hq, self.m, channels(y, self.batch))
+        return y.reshape(self.batch * self.nseg, self.hq, self.m, last_dim(y, self.batch))
 
     def undilate_q(self, y: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Inverse of ``dilate_q``: ``(B*nseg, Hq, m, C) -> (B, Hq, n, C)``, ``fill`` off-lattice."""
-        y = y.view(self.batch, self.nseg, self.hq, self.m, channels(y, self.batch))
+        y = y.view(self.batch, self.nseg, self.hq, self.m, last_dim(y, self.batch))
         if self.r == 1:
             return self._merge_split(y.unsqueeze(3), self.hq)
         if self.shared_kv:
@@ -164,7 +164,7 @@ class BranchLayout:
         else:
             head, off = self._kv_pairs(x.device)
             y = x6[:, :, head, off]
-        return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, channels(y, self.batch))
+        return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, last_dim(y, self.batch))
 
     def accumulate_kv(self, y: torch.Tensor, channels: int) -> torch.Tensor:
         """Adjoint of ``dilate_kv``: sums dilated kv rows back into ``(B, Hkv, n, C)``."""

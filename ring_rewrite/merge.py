@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .ops import stat_dtype
+
 __all__ = ["merge_partials"]
 
 
@@ -24,7 +26,7 @@ def merge_partials(
     """
     if len(outs) == 1:
         return outs[0], lses[0]
-    acc = torch.promote_types(torch.promote_types(outs[0].dtype, lses[0].dtype), torch.float32)
+    acc = stat_dtype(lses[0].dtype)
     lses = [x.to(acc) for x in lses]
     top = lses[0]
     for x in lses[1:]:

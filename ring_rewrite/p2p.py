@@ -266,15 +266,14 @@ def _open_call(group_name: str, site: int, direction: int, variant: int, timeout
     header = torch.tensor([state.call, site, direction, variant, len(leftover)])
     # NOTE: a graph compiles at its first call, its backward at its first backward, each rank
     # at its own speed: the first header of a site and direction waits for peers still compiling.
-    first = (group_name, variant, site, direction) not in _OPENED
-    deadline = max(2 * timeout, FIRST_CALL_TIMEOUT) if first else 2 * timeout
+    opened = (group_name, variant, site, direction) in _OPENED
+    deadline = 2 * timeout if opened else max(2 * timeout, FIRST_CALL_TIMEOUT)
     headers = _all_gather(group, header, deadline, f"the header of {what}, call {state.call}", state)
     _OPENED.add((group_name, variant, site, direction))
     previous, state.started = state.started, {}
     if int(headers[:, 4].sum()):
         _recover(group, group_name, state, previous, leftover, timeout)
-    first = headers[0, :4]
-    differ = [r for r in range(len(headers)) if not torch.equal(headers[r, :4], first)]
+    differ = [r for r in range(len(headers)) if not torch.equal(headers[r, :4], headers[0, :4])]
     if differ:
         state.call = int(headers[:, 0].max()) + 1
         raise RingOutOfStep(

@@ -148,6 +148,8 @@ def _attend(q, k, v, counts, key_bias, scale) -> torch.Tensor:
         scores = scores + key_bias.double()
     live = ~(scores == float("-inf")).all(-1, keepdim=True)
     probs = torch.softmax(torch.where(live, scores, 0.0), dim=-1) * live
+    if not v.isnan().any():
+        return probs @ v
     out = probs @ torch.nan_to_num(v, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     # Rows that attend to a NaN value (probability > 0, or NaN itself).
     bad = ((probs != 0).to(v.dtype) @ v.isnan().any(-1, keepdim=True).to(v.dtype)) > 0
