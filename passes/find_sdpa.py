@@ -88,12 +88,8 @@ def unsupported_reason(site: SdpaSite) -> str | None:
     for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
         if isinstance(getattr(site, name), fx.Node):
             return f"{name} is computed at run time (must be a constant)"
-    if site.dropout_p:
-        return (
-            f"dropout_p={site.dropout_p} > 0: dropout inside attention is not supported by the "
-            "rewrite, so a call with dropout (training) computes plain attention while one "
-            "without (eval) is rewritten; apply dropout outside SDPA, or set dropout_p=0"
-        )
+    if not 0.0 <= site.dropout_p <= 1.0:
+        return f"dropout_p={site.dropout_p} is not a probability"
     q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "query/key/value have no example value in the graph"

@@ -8,7 +8,8 @@ After::
 
     bias = <mask to additive key bias (B|1, Hq|1, N)>                  # role "mask", if m
     token = torch.ops.ring_rewrite.site_token(0, group, variant, timeout)  # role "p2p", if P > 1
-    out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias][, token])
+    seed = torch.randint(2**62, (), dtype=torch.int64)                      # role "dropout", if p > 0
+    out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias][, token][, seed])
 
 ``ring_rewrite_fwd_0`` calls ``invoke_subgraph`` on the site's forward body: per branch the
 ``dilate`` gathers, the ring's transfers and ``block_attention`` nodes (``(out, lse)``), the
@@ -56,6 +57,7 @@ NAME = "rewrite_sdpa"
 """The pass's name in the pipeline and in the site records."""
 
 _SITE_TOKEN = torch.ops.ring_rewrite.site_token.default
+_SEEDS = 1 << 62  # a call's dropout seed is drawn from [0, _SEEDS)
 
 
 def rewrite_sdpa(
@@ -160,6 +162,7 @@ def _build(site, config, index, group, world, rank, *, pad) -> SitePlan:
         sharding=config.sharding,
         layout=config.layout,
         pad=pad,
+        dropout=float(site.dropout_p),
     )
 
 
@@ -207,6 +210,12 @@ def _rewrite_site(
             stamp(token, index, stack, role="p2p")
             args.append(token)
             names.append("token")
+        if plan.dropout:
+            # Each call draws its own dropout; the backward gets the same seed (saved).
+            seed = graph.call_function(torch.randint, (_SEEDS, ()), {"dtype": torch.int64})
+            stamp(seed, index, stack, role="dropout")
+            args.append(seed)
+            names.append("seed")
         saved = ["q", "k", "v", "out", "lse", *names[3:]]
         inputs = [site.query, site.key, site.value, site.attn_mask]
         strides = tuple(static_strides(site.meta(x)) for x in inputs)

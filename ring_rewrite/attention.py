@@ -94,12 +94,15 @@ class SitePlan:
     pad: int = 0
     """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence]):
     ``n`` counts them; the site's inputs and outputs have ``n - pad`` tokens."""
+    dropout: float = 0.0
+    """Probability that an attention probability drops (Note [Dropout in blocks] in
+    ``kernels.py``); the site's calls then take a ``seed``."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0,
+        pad=0, dropout=0.0,
     ):  # fmt: skip
         pieces = world * shard_parts(layout)
         if world > 1 and n % pieces:
@@ -116,7 +119,7 @@ class SitePlan:
         )
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
-            world, rank, group_name, sharding, layout, plans, pad,
+            world, rank, group_name, sharding, layout, plans, pad, dropout,
         )  # fmt: skip
 
     @property
@@ -249,6 +252,12 @@ def _held(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | No
     return kv[:2], (kv[2] if len(kv) > 2 else None)
 
 
+def _drop(plan: SitePlan, seed: torch.Tensor | None, *block: int) -> tuple:
+    """The dropout arguments of one block call, none without dropout: the block is named by this
+    rank and its place in the site (Note [Dropout in blocks] in ``kernels.py``)."""
+    return (plan.dropout, seed, [plan.rank, *block]) if plan.dropout else ()
+
+
 def _ring(rotater: Rotater, i: int, branch: BranchPlan) -> Ring:
     return rotater.ring(i, branch.send_to, branch.recv_from)
 
@@ -284,21 +293,21 @@ def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
 
 
-def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias):
+def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed):
     """Out and lse of one ring branch, dilated, one head chunk after another."""
     outs, lses = [], []
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
         out, lse = _ring_forward_chunk(
             plan, ring, i, c, branch, heads, qd[:, qh], kd[:, kh], vd[:, kh],
-            None if bias is None else bias[:, qh],
+            None if bias is None else bias[:, qh], seed,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
     return _cat_heads(outs), _cat_heads(lses)
 
 
-def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
+def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed):
     """Out and lse of one head chunk of a ring branch; K/V travel while each step computes, and
     so does their key bias (a mask), if any."""
     layout = branch.layout
@@ -314,7 +323,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
                 flight = ring.start(kv, KV, step, c)
         computed = []
         held, held_bias = _held(kv)
-        for blk in blocks:
+        for j, blk in enumerate(blocks):
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
                     _rows(qd, layout, blk.q0, blk.q1, hq),
@@ -322,6 +331,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias):
                     None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1, hq),
                     plan.scale,
                     blk.causal,
+                    *_drop(plan, seed, i, c, step, j),
                 )
             computed += [out, lse]
             with role("merge", branch=i, step=step):
@@ -349,10 +359,10 @@ def _dilate(plan: SitePlan, layout, *xs, kv: bool = False, upcast: bool = True):
     return [dilate(x).to(plan.compute_dtype) for x in xs]
 
 
-def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
-    """``(q, k, v[, mask][, token]) -> (out, saved)``; ``mask`` is an additive key bias
+def site_forward(plan: SitePlan, q, k, v, mask=None, token=None, seed=None):
+    """``(q, k, v[, mask][, token][, seed]) -> (out, saved)``; ``mask`` is an additive key bias
     ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
-    transfers (``p2p.site_token``)."""
+    transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout."""
     rotater = Rotater(plan.group_name, token)
     with role("shard"):
         qp, kp, vp = _padded(plan, q, k, v)
@@ -369,17 +379,18 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
         if branch.is_local:
             with role("attention", branch=i):
                 od, lsed = torch.ops.ring_rewrite.block_attention(
-                    qd, kd, vd, bias, plan.scale, plan.is_causal
+                    qd, kd, vd, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i)
                 )
         else:
-            od, lsed = _ring_forward(plan, _ring(rotater, i, branch), i, branch, qd, kd, vd, bias)
+            ring = _ring(rotater, i, branch)
+            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed)
         with role("undilate", branch=i):
             outs.append(layout.undilate_q(od))
             lses.append(layout.undilate_q(lsed.unsqueeze(-1), _NEG_INF).squeeze(-1))
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse] + [x for x in (mask, rotater.token) if x is not None]
+    saved = [q, k, v, out, lse] + [x for x in (mask, rotater.token, seed) if x is not None]
     if plan.gathers:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
@@ -390,7 +401,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None):
 # ---- backward ------------------------------------------------------------------------------
 
 
-def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias):
+def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed):
     """dq and, back at their owner, dk and dv of one ring branch (all dilated, ``stat_dtype``), one
     head chunk after another.
 
@@ -403,7 +414,7 @@ def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
         dq, landed, landing = _ring_backward_chunk(
             plan, ring, i, c, branch, heads, dod[:, qh], qd[:, qh], kd[:, kh], vd[:, kh],
-            od[:, qh], lsed[:, qh], None if bias is None else bias[:, qh], landing,
+            od[:, qh], lsed[:, qh], None if bias is None else bias[:, qh], seed, landing,
         )  # fmt: skip
         dqs.append(dq)
         if landed is not None:
@@ -423,7 +434,9 @@ def _land(ring, i, branch, landing, after):
         return [a + b for a, b in zip(home, got)]
 
 
-def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, landing):
+def _ring_backward_chunk(
+    plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, seed, landing
+):
     """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (which landed
     during this chunk's first step; None for the first chunk), and this chunk's dk and dv still
     on their last hop home: ``(dq, landed, landing)`` (``_land``).
@@ -449,7 +462,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
         dv_parts: list = [None] * layout.nseg
         computed = []
         held, held_bias = _held(kv)
-        for blk in blocks:
+        for j, blk in enumerate(blocks):
             with role("attention_backward", branch=i, step=step):
                 dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
                     _rows(dod, layout, blk.q0, blk.q1, hq),
@@ -460,6 +473,7 @@ def _ring_backward_chunk(plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, l
                     None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1, hq),
                     plan.scale,
                     blk.causal,
+                    *_drop(plan, seed, i, c, step, j),
                 )
             computed += [dq, dk, dv]
             with role("merge", branch=i, step=step):
@@ -505,9 +519,9 @@ def _or_zeros(plan: SitePlan, part, layout, heads: int, channels: int, like: tor
     return like.new_zeros(shape, dtype=plan.stat_dtype)
 
 
-def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None):
-    """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask and the
-    token)."""
+def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None, seed=None):
+    """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
+    token and the seed)."""
     with role("p2p"):
         rotater = Rotater(plan.group_name, token)
         if token is not None:
@@ -528,11 +542,11 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
         if branch.is_local:
             with role("attention_backward", branch=i):
                 dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
-                    dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal
+                    dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i)
                 )
         else:
             dqd, dkd, dvd = _ring_backward(
-                plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias
+                plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias, seed
             )
         with role("undilate", branch=i):
             dq = _acc(plan, dq, layout.undilate_q(dqd))
@@ -544,4 +558,4 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
         with role("shard"):
             for j, g in enumerate(grads):
                 grads[j] = _unpadded(plan, _gather(plan, rotater, g, 1 + j))
-    return (*grads, *(None for x in (mask, token) if x is not None))
+    return (*grads, *(None for x in (mask, token, seed) if x is not None))

@@ -12,6 +12,19 @@ for a row with nothing to attend, and returns this block's exact share of ``dq, 
 contiguous, in the inputs' dtypes (Note [Backward from the merged statistics] in
 ``attention.py``).
 
+Note [Dropout in blocks]
+~~~~~~~~~~~~~~~~~~~~~~~~
+With ``dropout_p > 0`` no fused kernel serves: each draws its own random mask, and ours must be
+drawn again, the same, by the backward. So every device runs the same torch code
+(``dropout_forward`` / ``dropout_backward``), query rows in chunks of at most ``DROPOUT_CHUNK``
+scores. A chunk's keep-mask comes from a generator seeded with a hash of the site call's
+``seed`` and the block's identifier (``block``: rank, branch, head chunk, ring step, block, then
+the row chunk): forward and backward draw it alike, and no two blocks of a call share a stream.
+A block's ``lse`` is that of its undropped scores, so merging by it drops probabilities of the
+merged softmax (SPEC §2): ``O = sum_t Z_t exp(s_t - L) v_t`` with ``Z_t = keep_t / (1 - p)``,
+whose expectation is the undropped ``O``. With ``P = exp(s - L)`` and ``O`` the merged (dropped)
+output, the backward is ``dS = P * (Z * dO·v - rowsum(dO * O))``, ``dV = (P * Z)^T dO``.
+
 Note [The CUDA entry is untested]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 No GPU has run it. It is written against torch's memory-efficient attention, the CUDA kernel that
@@ -28,7 +41,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BlockKernel", "KERNELS", "block_kernel", "unsupported_reason"]
+__all__ = [
+    "BlockKernel", "KERNELS", "block_kernel", "unsupported_reason", "dropout_forward", "dropout_backward",
+]  # fmt: skip
 
 aten = torch.ops.aten
 
@@ -169,6 +184,112 @@ KERNELS: dict[str, BlockKernel] = {
         (torch.float16, torch.bfloat16, torch.float32), lambda dtype: dtype, False,
     ),
 }  # fmt: skip
+
+
+# ---- Dropout: the same torch code on every device (Note [Dropout in blocks]) -----------------
+
+DROPOUT_CHUNK = 1 << 22
+"""Scores per chunk of query rows on the dropout path (16 MiB of float32)."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix(x: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea and Flood, 2014): a well-mixed 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _keep(shape, p: float, seed: torch.Tensor, block: list[int], device) -> torch.Tensor:
+    """The keep-mask of one chunk of one block: True with probability ``1 - p``."""
+    stream = _splitmix(int(seed) & _MASK64)
+    for part in block:
+        stream = _splitmix(stream ^ part)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(stream)
+    return torch.rand(shape, generator=generator, device=device) >= p
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor, heads: int) -> torch.Tensor:
+    """``a (B, Hq, L, X) @ b (B, Hkv, X, Y)``, query head j reading kv head ``j // (Hq // Hkv)``:
+    ``(B, Hq, L, Y)``."""
+    out = a.unflatten(1, (heads, a.shape[1] // heads)) @ b.unsqueeze(2)
+    return out.flatten(1, 2)
+
+
+def _per_kv_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, Hq, ...)`` summed over each kv head's query heads: ``(B, Hkv, ...)``."""
+    return x.unflatten(1, (heads, x.shape[1] // heads)).sum(2)
+
+
+def _chunk_scores(q, k, bias, scale, is_causal, r0, r1, dtype):
+    """Scores of query rows ``[r0, r1)`` of a block, ``(B, Hq, r1 - r0, S)`` in ``dtype``."""
+    s = _grouped(q[:, :, r0:r1].to(dtype), k.to(dtype).transpose(-1, -2), k.shape[1]) * scale
+    if bias is not None:
+        s = s + (bias if bias.shape[-2] == 1 else bias[..., r0:r1, :]).to(dtype)
+    if is_causal:  # top-left: row i sees keys 0..i
+        rows = torch.arange(r0, r1, device=q.device).unsqueeze(-1)
+        s = s.masked_fill(torch.arange(k.shape[2], device=q.device) > rows, float("-inf"))
+    return s
+
+
+def _row_chunks(q: torch.Tensor, keys: int) -> list[tuple[int, int]]:
+    """Query rows ``[r0, r1)`` of each chunk: at most ``DROPOUT_CHUNK`` scores each."""
+    rows = max(1, DROPOUT_CHUNK // max(1, q.shape[0] * q.shape[1] * keys))
+    return [(r0, min(r0 + rows, q.shape[2])) for r0 in range(0, q.shape[2], rows)]
+
+
+def _dropped(s, lse, p, seed, block, device):
+    """``P = exp(s - lse)``, and ``P`` with dropped entries 0 and kept ones scaled by ``1 / (1 - p)``."""
+    prob = torch.exp(s - lse.unsqueeze(-1))
+    kept = prob.masked_fill(~_keep(s.shape, p, seed, block, device), 0.0)
+    return prob, kept * (1 / (1 - p) if p < 1 else 0.0)
+
+
+def dropout_forward(q, k, v, bias, scale, is_causal, p, seed, block):
+    """``(out, lse)`` of a block whose probabilities drop with probability ``p`` (Note [Dropout
+    in blocks]); ``lse`` is that of the undropped scores."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    heads = k.shape[1]
+    outs, lses = [], []
+    for c, (r0, r1) in enumerate(_row_chunks(q, k.shape[2])):
+        s = _chunk_scores(q, k, bias, scale, is_causal, r0, r1, dtype)
+        lse = torch.logsumexp(s, -1)
+        finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: all of s is -inf
+        _, dropped = _dropped(s, finite, p, seed, [*block, c], q.device)
+        outs.append(_grouped(dropped, v.to(dtype), heads))
+        lses.append(lse)
+    return _cat_rows(outs, q, v.shape[-1]).to(q.dtype), _cat_rows(lses, q)
+
+
+def dropout_backward(dout, q, k, v, out, lse, bias, scale, is_causal, p, seed, block):
+    """This block's share of ``dq, dk, dv`` given the merged ``out`` and ``lse`` (``+inf`` for
+    an empty row), the forward's keep-mask drawn again (Note [Dropout in blocks])."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    heads = k.shape[1]
+    kd, vd = k.to(dtype), v.to(dtype)
+    dqs = []
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    for c, (r0, r1) in enumerate(_row_chunks(q, k.shape[2])):
+        s = _chunk_scores(q, k, bias, scale, is_causal, r0, r1, dtype)
+        prob, dropped = _dropped(s, lse[:, :, r0:r1].to(dtype), p, seed, [*block, c], q.device)
+        do, qc = dout[:, :, r0:r1].to(dtype), q[:, :, r0:r1].to(dtype)
+        delta = (do * out[:, :, r0:r1].to(dtype)).sum(-1, keepdim=True)
+        ds = dropped * _grouped(do, vd.transpose(-1, -2), heads) - prob * delta
+        dqs.append(_grouped(ds, kd, heads) * scale)
+        dk += _per_kv_head(ds.transpose(-1, -2) @ qc, heads) * scale
+        dv += _per_kv_head(dropped.transpose(-1, -2) @ do, heads)
+    return _cat_rows(dqs, q, q.shape[-1]).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _cat_rows(chunks: list[torch.Tensor], q: torch.Tensor, *channels: int) -> torch.Tensor:
+    """Row chunks side by side; an empty block (no rows) gives an empty result."""
+    if not chunks:
+        return q.new_zeros((*q.shape[:3], *channels), dtype=torch.promote_types(q.dtype, torch.float32))
+    return torch.cat(chunks, 2)
 
 
 def block_kernel(device: torch.device | str) -> BlockKernel:

@@ -6,9 +6,12 @@
 ``(B, Hq, L, S)``, causal top-left aligned. ``out`` has the input dtype, ``lse`` is float32
 (float64 for float64 inputs: ``stat_dtype``)
 ``(B, Hq, L)`` in natural log and is ``-inf`` for a row with nothing to attend (the CPU flash
-kernel reports 0 there). Each device's kernel comes from ``kernels.py``.
+kernel reports 0 there). Each device's kernel comes from ``kernels.py``. With ``dropout_p > 0``
+the block's probabilities drop, each with that probability, by a mask that the int64 ``seed``
+and the block's identifier ``block`` fix (Note [Dropout in blocks] in ``kernels.py``).
 
-``block_attention_backward(dout, q, k, v, out, lse, bias, scale, is_causal)`` is the fused
+``block_attention_backward(dout, q, k, v, out, lse, bias, scale, is_causal[, dropout_p, seed,
+block])`` is the fused
 attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the softmax over every
 block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import block_kernel
+from .kernels import block_kernel, dropout_backward, dropout_forward
 
 __all__ = ["block_attention", "block_attention_backward", "stat_dtype"]
 
@@ -52,8 +55,14 @@ def block_attention(
     bias: torch.Tensor | None,
     scale: float,
     is_causal: bool,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+    block: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = block_kernel(q.device).forward(q, k, v, bias, scale, is_causal)
+    if dropout_p:
+        out, lse = dropout_forward(q, k, v, bias, scale, is_causal, dropout_p, seed, block)
+    else:
+        out, lse = block_kernel(q.device).forward(q, k, v, bias, scale, is_causal)
     out = out.contiguous()
     lse = lse.to(stat_dtype(q.dtype)).contiguous()
     if bias is not None:
@@ -62,7 +71,7 @@ def block_attention(
 
 
 @block_attention.register_fake
-def _(q, k, v, bias, scale, is_causal):
+def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=stat_dtype(q.dtype))
     return out, lse
@@ -79,37 +88,42 @@ def block_attention_backward(
     bias: torch.Tensor | None,
     scale: float,
     is_causal: bool,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+    block: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    if dropout_p:
+        drop = (dropout_p, seed, block)
+        return dropout_backward(dout, q, k, v, out, lse, bias, scale, is_causal, *drop)
     return block_kernel(q.device).backward(dout, q, k, v, out, lse, bias, scale, is_causal)
 
 
 @block_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, bias, scale, is_causal):
+def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, scale, is_causal = inputs
+    q, k, v, bias, scale, is_causal, *drop = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, bias, out, lse)
-    ctx.scale, ctx.is_causal = scale, is_causal
+    ctx.scale, ctx.is_causal, ctx.drop = scale, is_causal, drop
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, bias, out, lse = ctx.saved_tensors
-    dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, bias, ctx.scale, ctx.is_causal)
+    args = (ctx.scale, ctx.is_causal, *ctx.drop)
+    dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, bias, *args)
     if dlse is not None:
         # d lse / d s = P, so dlse adds P * dlse to dS. The kernel's dS is P * (dP - rowsum(dO*O));
         # with v = 0, dO = 1 and O = -dlse / Dv it is exactly P * dlse.
         ones = torch.ones_like(dout)
         fake_out = (-dlse / dout.shape[-1]).unsqueeze(-1).to(out.dtype).expand_as(out).contiguous()
-        dq2, dk2, _ = block_attention_backward(
-            ones, q, k, torch.zeros_like(v), fake_out, lse, bias, ctx.scale, ctx.is_causal
-        )
+        dq2, dk2, _ = block_attention_backward(ones, q, k, torch.zeros_like(v), fake_out, lse, bias, *args)
         dq, dk = dq + dq2, dk + dk2
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, *(None for _ in range(3 + len(ctx.drop)))
 
 
 block_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -19,6 +19,7 @@ _CURRENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
 ROLES = (
     "decompose",  # nn.MultiheadAttention / TransformerEncoderLayer ops spelled out around an SDPA
     "mask",  # key-padding mask to additive bias
+    "dropout",  # the seed of a call's dropout
     "dilate",  # per-branch views / gathers into block layout
     "attention",  # block attention returning (out, lse)
     "attention_backward",  # fused block backward with the merged out / lse

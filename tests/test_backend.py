@@ -148,14 +148,15 @@ def test_decorator_validates_config_at_once():
 
 def test_explain_report():
     def two(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5) + Attend()(q, k, v)
+        bias = torch.randn(q.shape[2], k.shape[2])  # a dense mask: left alone
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias) + Attend()(q, k, v)
 
     report = ring_rewrite.explain(two, *qkv(), segment_lengths=SEGMENTS, dilation_rates=RATES)
     assert isinstance(report, ring_rewrite.Report)
     assert [r.rewritten for r in report.records] == [False, True]
     text = str(report)
     assert text.startswith("ring_dilated: 1 of 2 attention sites rewritten")
-    assert "left alone: dropout_p=0.5 > 0" in text
+    assert "left alone: dense attn_mask" in text
     assert "(8,1) local (16,2) local" in text
     assert "test_backend.py:" in text
 

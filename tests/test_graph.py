@@ -222,10 +222,6 @@ class GraphModule(torch.nn.Module):
 # ---- sites left alone, one test each --------------------------------------------------------
 
 
-def _dropout(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-
-
 def _dense_mask(q, k, v):
     mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -244,7 +240,6 @@ def _mask_requires_grad(q, k, v, bias):
 
 
 UNSUPPORTED = [
-    pytest.param(_dropout, "dropout_p=0.1 > 0", id="dropout"),
     pytest.param(_dense_mask, "dense attn_mask of shape (32, 32)", id="dense-mask"),
     pytest.param(_cross_attention, "query length 16 != key/value length 32", id="cross-attention"),
     pytest.param(_three_d, "3-D", id="three-d"),
@@ -308,29 +303,32 @@ class _DropoutInTraining(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
 
 
-def test_dropout_in_training_says_train_and_eval_differ():
+def test_dropout_in_training_and_eval_both_rewritten():
+    """SPEC §2: what is supported does not depend on training vs eval. Training draws a seed per
+    call (role "dropout") that every block call and its backward take."""
     model = _DropoutInTraining()
     with _logged() as records:
-        trained = capture(model.train(), *qkv(hkv=4))
-        evaluated = capture(model.eval(), *qkv(hkv=4))
-    assert_left_alone(trained, site=0, reason="dropout_p=0.1 > 0")
-    assert_rewritten(evaluated, 1)
-    (message,) = [r.getMessage() for r in records]
-    assert "a call with dropout (training) computes plain attention while one without (eval) is rewritten" in message
-    with pytest.raises(Exception, match="cannot be rewritten: dropout_p=0.1"):
-        capture(model.train(), *qkv(hkv=4), strict=True)
+        trained = capture(model.train(), *qkv(hkv=4), strict=True)
+        evaluated = capture(model.eval(), *qkv(hkv=4), strict=True)
+    assert not records
+    assert [r.plan.dropout for r in trained.records + evaluated.records] == [0.1, 0.0]
+    (gm,) = trained.after
+    (seed,) = [n for n in gm.graph.nodes if n.meta.get("ring_rewrite", {}).get("role") == "dropout"]
+    assert seed.target is torch.randint
+    (gm,) = evaluated.after
+    assert not [n for n in gm.graph.nodes if n.meta.get("ring_rewrite", {}).get("role") == "dropout"]
 
 
 def test_only_supported_sites_rewritten():
     def two(q, k, v):
-        return _dropout(q, k, v) + F.scaled_dot_product_attention(q, k, v)
+        return _dense_mask(q, k, v) + F.scaled_dot_product_attention(q, k, v)
 
     cap = capture(two, *_inputs(two))
     (gm,) = cap.after
     assert len(sdpa_nodes(gm)) == 1
     assert len(calls(gm, autograd_function_apply)) == 1
     assert_rewritten(cap, 1)
-    assert_left_alone(cap, site=0, reason="dropout_p=0.1")
+    assert_left_alone(cap, site=0, reason="dense attn_mask")
     assert dict(counters["ring_rewrite"]) == {"skipped": 1, "rewritten": 1}
 
 

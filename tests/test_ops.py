@@ -221,3 +221,54 @@ def test_non_unit_last_dim_stride(which):
     assert rel_err(lse, ref_lse) < 1e-5
     for got, want in zip(grads, expected):
         assert rel_err(got, want) < 1e-5
+
+
+# ---- dropout (Note [Dropout in blocks] in kernels.py) ----------------------------------------
+
+
+def _dropout_args(block=(0, 1)):
+    return (0.3, torch.tensor(1234), list(block))
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 8], ids=["one_chunk", "row_chunks"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("bias_kind", BIASES)
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_dropout_block_is_one_function_forward_and_backward(shape, bias_kind, is_causal, chunk, monkeypatch):
+    """With a seed and a block fixed, the op is one deterministic function whose gradients
+    (through out and lse) are its own; lse is the undropped one and empty rows stay empty."""
+    from ring_rewrite import kernels
+
+    monkeypatch.setattr(kernels, "DROPOUT_CHUNK", chunk)
+    q, k, v = (t.requires_grad_() for t in _inputs(shape, dtype=torch.float64))
+    bias = _bias(bias_kind, shape, dtype=torch.float64)
+    drop = _dropout_args()
+
+    def f(q, k, v):
+        out, lse = block_attention(q, k, v, bias, 0.3, is_causal, *drop)
+        return out, lse.masked_fill(lse == NEG_INF, 0.0)
+
+    assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+    out, lse = block_attention(q, k, v, bias, 0.3, is_causal, *drop)
+    again, _ = block_attention(q, k, v, bias, 0.3, is_causal, *drop)
+    other, _ = block_attention(q, k, v, bias, 0.3, is_causal, *_dropout_args(block=(0, 2)))
+    expected_out, expected_lse = _dense(q, k, v, bias, 0.3, is_causal)
+    assert torch.equal(out, again) and not torch.equal(out, other)
+    _check_lse(lse, expected_lse)
+    assert (out[lse == NEG_INF] == 0).all()
+
+
+def test_dropout_block_keeps_the_expected_fraction():
+    """Values I show the probabilities: ``1 - p`` of them kept, scaled by ``1 / (1 - p)``."""
+    q, k = torch.randn(1, 2, 300, 8), torch.randn(1, 2, 400, 8)
+    eye = torch.eye(400).expand(1, 2, 400, 400)
+    out, _ = block_attention(q, k, eye, None, 0.3, False, *_dropout_args())
+    probs, _ = _dense(q, k, eye, None, 0.3, False)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.7) < 5 * (0.21 / kept.numel()) ** 0.5
+    assert rel_err(out[kept], probs[kept] / 0.7) < 1e-5
+
+
+def test_opcheck_block_attention_with_dropout():
+    q, k, v = (t.requires_grad_() for t in _inputs(SHAPES["gqa_d>dv"]))
+    torch.library.opcheck(block_attention, (q, k, v, None, 0.3, True, *_dropout_args()))

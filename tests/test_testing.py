@@ -40,16 +40,17 @@ CONFIG = {"segment_lengths": [8, 32], "dilation_rates": [1, 2]}
 
 
 class TwoAttentions(nn.Module):
-    """A projection, a causal attention (rewritten) and a dropout attention (left alone)."""
+    """A projection, a causal attention (rewritten) and one with a dense mask (left alone)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.qkv = nn.Linear(16, 48)
+        self.register_buffer("bias", torch.randn(32, 32))
 
     def forward(self, x):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # site A
-        b = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)  # site B
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)  # site B
         return a + b
 
 
@@ -99,7 +100,7 @@ def test_graph_diff_counts_removed_and_added_nodes():
     assert rewritten.transfers == (0, 0)  # one device: every branch is local
     assert sum(rewritten.added_by_role.values()) == len(diff.added)
     assert (alone.rewritten, alone.removed, alone.added_by_role) == (False, {}, {})
-    assert "dropout_p=0.5" in alone.reason
+    assert "dense attn_mask" in alone.reason
 
 
 def test_removed_nodes_belong_to_the_site_that_replaced_them():
@@ -126,7 +127,7 @@ def test_graph_diff_prints_tables_and_a_stable_unified_diff():
     diff = two_attentions().diff()
     table = str(diff)
     assert table.startswith("ring_dilated graph diff: 1 of 2 attention sites rewritten; 1 node removed")
-    assert "left alone: dropout_p=0.5" in table and "ring_rewrite.block_attention" in table
+    assert "left alone: dense attn_mask" in table and "ring_rewrite.block_attention" in table
     lines = diff.text.splitlines()
     assert lines[:2] == ["--- before", "+++ after"]
     removed = [line for line in lines if line.startswith("-")]
@@ -183,9 +184,9 @@ def test_assert_rewritten_and_left_alone_pass():
     assert_rewritten(cap, 1)
     assert_rewritten(cap.records, 1)
     assert_rewritten(cap.report, 1)
-    record = assert_left_alone(cap, site=1, reason="dropout")
+    record = assert_left_alone(cap, site=1, reason="dense attn_mask")
     assert record.site == 1
-    assert_left_alone(cap, reason="dropout")
+    assert_left_alone(cap, reason="dense attn_mask")
     assert_left_alone(cap, site=f"test_testing.py:{_line_of('# site B')}")
 
 
@@ -232,7 +233,7 @@ def test_assert_left_alone_fails_readably():
         assert_left_alone(cap, site=1, reason="cross attention")
     assert str(info.value).startswith(
         "expected attention site 1 left alone with a reason containing 'cross attention', but "
-        f"site 1 (test_testing.py:{_line_of('# site B')}) was left alone because: dropout_p=0.5 > 0"
+        f"site 1 (test_testing.py:{_line_of('# site B')}) was left alone because: dense attn_mask of shape (32, 32)"
     )
     with pytest.raises(AssertionError, match="expected attention site 7 left alone, but no site matches"):
         assert_left_alone(cap, site=7)
