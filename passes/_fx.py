@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ring_rewrite.roles import current
 
@@ -75,3 +78,19 @@ def location(node: fx.Node) -> str:
         path, _ = list(modules.values())[-1]
         return _LOCAL.sub("", path) or "?"
     return "?"
+
+
+def propagate_example_values(nodes: list[fx.Node]) -> None:
+    """Give each new node the ``example_value`` dynamo would have (the passes read them), in
+    the fake mode of its inputs' values."""
+    inputs = (arg.meta.get("example_value") for node in nodes for arg in node.all_input_nodes)
+    fake_mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
+    # NOTE: the Python dispatcher, as dynamo has it, runs ops on symbolic shapes.
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), enable_python_dispatcher():
+        for node in nodes:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
+            if node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                value = node.target(*args, **kwargs)
+            node.meta["example_value"] = value

@@ -41,7 +41,6 @@ Note [Site ids of decomposed modules]
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -54,12 +53,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.roles import role
 
-from ._fx import RoleTracer, emit, location
+from ._fx import RoleTracer, emit, location, propagate_example_values
 from .find_sdpa import SDPA_TARGETS, _static_shape
 from .records import leave_alone, records
 
@@ -340,7 +338,7 @@ def _decompose(gm: fx.GraphModule, site: ModuleSite, index: int) -> None:
     while cursor is not node:
         new.append(cursor)
         cursor = cursor.next
-    _propagate_example_values(new)
+    propagate_example_values(new)
     if site.kind == MHA:
         for user in list(node.users):
             if user.args[1] == 0:
@@ -465,19 +463,3 @@ def _encoder_layer_forward(plan: _EncoderLayer, src, qkv_w, qkv_b, proj_w, proj_
     y = F.gelu(y) if plan.use_gelu else F.relu(y)
     x = F.linear(y, ffn_w2, ffn_b2) + x
     return x if plan.norm_first else norm(x, norm_w2, norm_b2)
-
-
-def _propagate_example_values(nodes: list[fx.Node]) -> None:
-    """Give each new node the ``example_value`` dynamo would have (``rewrite_sdpa`` reads them)."""
-    inputs = (arg.meta.get("example_value") for node in nodes for arg in node.all_input_nodes)
-    fake_mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        for node in nodes:
-            args, kwargs = fx.node.map_arg(
-                (node.args, node.kwargs), lambda n: n.meta["example_value"]
-            )
-            if node.op == "call_method":
-                value = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                value = node.target(*args, **kwargs)
-            node.meta["example_value"] = value

@@ -4,6 +4,7 @@
 
     dynamo graph
       -> attention_modules   nn.MultiheadAttention / TransformerEncoderLayer -> SDPA (decompose_mha.py)
+      -> length_buckets      a symbolic sequence length -> padded to a static bucket (bucket_lengths.py)
       -> (next: structured masks, hand-written matmul-softmax-matmul attention)
       -> rewrite_sdpa        every supported SDPA -> ring dilated attention (rewrite_sdpa.py)
       -> the lowering compiler (inductor by default)
@@ -33,6 +34,8 @@ from torch._dynamo.utils import counters
 
 from ring_rewrite.config import RingDilatedConfig
 
+from .bucket_lengths import NAME as BUCKETS_NAME
+from .bucket_lengths import bucket_lengths
 from .decompose_mha import decompose_attention_modules, leave_attention_modules_alone
 from .find_sdpa import find_sdpa_sites
 from .records import TOUCHED
@@ -61,6 +64,7 @@ NORMALISING: tuple[Pass, ...] = (
         "attention_modules", decompose_attention_modules, "decomposed",
         leave_attention_modules_alone,
     ),  # fmt: skip
+    Pass(BUCKETS_NAME, bucket_lengths, "bucketed"),
 )
 REWRITE = Pass(REWRITE_NAME, rewrite_sdpa, "rewritten")
 

@@ -44,6 +44,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
+from ring_rewrite.dilation import BranchLayout
 from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group, variant_hash
 from ring_rewrite.roles import role
 
@@ -125,15 +126,20 @@ def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: i
             raise
         n = site.shapes["query"][2]
         step = world * (2 if config.layout == "zigzag" else 1)
-        for padded in range(n + step - n % step, _MAX_PADDING * n + step, step):
+        for padded in range(n + step - n % step, _padding_limit(config, n, step) + step, step):
             try:
                 return _build(site, config, index, group, world, rank, pad=padded - n)
             except ValueError:
                 continue
-        raise ValueError(f"{error}; no padding up to {_MAX_PADDING}x the length helps") from None
+        raise ValueError(f"{error}; no padding up to {_padding_limit(config, n, step)} tokens helps") from None
 
 
-_MAX_PADDING = 4  # a padded length is at most this multiple of the site's
+def _padding_limit(config: RingDilatedConfig, n: int, step: int) -> int:
+    """The longest padded length tried: 4x the site's, or what one rank pads a branch to (a
+    segment rounded up to a multiple of its rate, ``BranchLayout.padded``) for each of the
+    ``step`` shards, so a rate longer than a shard still finds its length."""
+    longest = max(BranchLayout(w, r, n, 1, 1, 1).padded for w, r in config.branches(n))
+    return max(4 * n, step * longest)
 
 
 def _build(site, config, index, group, world, rank, *, pad) -> SitePlan:

@@ -105,6 +105,7 @@ def _message(code: CodeType, limit: str) -> str:
         "run this call uncompiled: its attention un-rewritten, as plain SDPA (undilated, and in "
         "sharded mode within this rank's shard only), a different function from the one the "
         "compiled calls compute, so ring_dilated raises instead. Each sequence length compiles "
-        f"its own plan. Raise {knob}{per_call} above the number of distinct shapes you run, or "
-        "pad inputs to a few lengths."
+        "its own plan (in replicated mode, each power-of-two range of lengths once dynamo makes "
+        f"the length dynamic). Raise {knob}{per_call} above the number of distinct shapes you "
+        "run, or pad inputs to a few lengths."
     )

@@ -18,6 +18,7 @@ _CURRENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
 
 ROLES = (
     "decompose",  # nn.MultiheadAttention / TransformerEncoderLayer ops spelled out around an SDPA
+    "bucket",  # a symbolic sequence length padded to its bucket, and the result cut back
     "mask",  # key-padding mask to additive bias
     "dropout",  # the seed of a call's dropout
     "dilate",  # per-branch views / gathers into block layout

@@ -303,18 +303,46 @@ def test_merge_weights_sum_to_one_at_large_lse():
 # ---- dynamic sequence length ------------------------------------------------------------------
 
 
+# Lengths 16 (static), then 24 (dynamo makes the length a symbol: bucket 32), 40 (bucket 64), 28
+# and 32 (bucket 32 again): three graphs, where specialising compiles one per length.
+LENGTHS = (16, 24, 40, 28, 32)
+
+
+def _mask_of(kind: str, n: int):
+    """A key-padding mask over ``n`` keys that masks some of them, or None."""
+    if kind == "none":
+        return None
+    keep = torch.ones(2, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., 1::3] = False
+    return keep if kind == "bool" else torch.where(keep, 0.5, float("-inf"))
+
+
 @pytest.mark.parametrize(
-    "config", [CONFIGS["exact"], ([8, 16], [1, 2])], ids=["exact", "w8r1_w16r2"]
-)
-def test_dynamic_sequence_length(config):
-    fn = _compile(config, is_causal=True)
-    for n in (16, 24, 40):  # dynamo marks n dynamic at the second length; the backend specialises
+    "config, is_causal, mask",
+    [(CONFIGS["exact"], True, "none"), (([8, 16], [1, 2]), False, "none"), (([8, 16], [1, 2]), False, "bool"),
+     (([8, 16], [1, 2]), False, "float")],
+    ids=["exact-causal", "dilated", "dilated-bool-mask", "dilated-float-mask"],
+)  # fmt: skip
+def test_dynamic_sequence_length_compiles_one_graph_per_bucket(config, is_causal, mask):
+    fn = _compile(config, is_causal=is_causal)
+    for n in LENGTHS:
         q, k, v = _inputs(2, 2, 2, n, 8, 8)
         dout = torch.randn(2, 2, n, 8)
-        got = _forward_backward(fn, q, k, v, dout)
-        _assert_close(got, _reference(config, q, k, v, dout, is_causal=True))
-    assert counters["ring_rewrite"]["rewritten"] == 3  # one specialised graph per length
+        m = _mask_of(mask, n)
+        got = _forward_backward(fn, q, k, v, dout, m)
+        _assert_close(got, _reference(config, q, k, v, dout, mask=m, is_causal=is_causal))
+    assert counters["ring_rewrite"]["rewritten"] == 3
+    assert counters["ring_rewrite"]["bucketed"] == 2
     assert counters["ring_rewrite"]["skipped"] == 0
+
+
+def test_dynamic_sequence_length_specialised_without_buckets():
+    options = {**_options(([8, 16], [1, 2])), "disable_passes": ["length_buckets"]}
+    fn = torch.compile(_sdpa, backend="ring_dilated", options=options, fullgraph=True)
+    for n in LENGTHS[:3]:
+        q, k, v = _inputs(2, 2, 2, n, 8, 8)
+        _assert_close(_forward_backward(fn, q, k, v, q), _reference(([8, 16], [1, 2]), q, k, v, q))
+    assert counters["ring_rewrite"]["rewritten"] == 3 and not counters["ring_rewrite"]["bucketed"]
 
 
 # ---- inductor ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 import ring_rewrite
 from ring_rewrite.passes import NORMALISING, REWRITE, Pass, UnsupportedSiteError, pipeline
+from ring_rewrite.passes.bucket_lengths import bucket
 from ring_rewrite.passes.find_sdpa import find_sdpa_sites
 
 from conftest import Capture, rel_err
@@ -29,8 +30,22 @@ def _mha_and_sdpa():
 
 
 def test_the_pipeline_is_the_normalising_passes_then_the_rewrite():
-    assert [p.name for p in NORMALISING] == ["attention_modules"]
+    assert [p.name for p in NORMALISING] == ["attention_modules", "length_buckets"]
     assert REWRITE.name == "rewrite_sdpa"
+
+
+def test_a_symbolic_length_is_bucketed_before_the_rewrite():
+    recorder = Capture()
+    attend = torch.compile(
+        lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+        backend=recorder, fullgraph=True, dynamic=True,
+    )  # fmt: skip
+    attend(torch.randn(B, H, L - 3, E // H))
+    (record,) = recorder.records
+    assert record.passes == ("length_buckets", "rewrite_sdpa")
+    assert record.plan.n == bucket(L - 3) == L
+    (gm,) = recorder.graphs
+    assert "bucket" in {n.meta.get("ring_rewrite", {}).get("role") for n in gm.graph.nodes}
 
 
 def test_records_and_report_name_the_passes_that_touched_each_site():

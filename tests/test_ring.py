@@ -106,6 +106,8 @@ CASES_P2 = [
     ([16, 64], [1, 2], True, "replicated", "contiguous", 4, 2, 50),
     ([32, 96], [1, 3], True, "replicated", "contiguous", 6, 6, 96),
     ([8, 32], [1, 2], False, "replicated", "contiguous", 4, 4, 40, "bool"),
+    # A rate longer than a shard: 100 -> 2048, a part of 1024 per rank (rewrite_sdpa._padding_limit).
+    ([16, 1024], [1, 1024], True, "replicated", "contiguous", 2, 2, 100),
 ]
 CASES_P4 = [
     ([8, 32], [1, 2], True, "sharded", "contiguous", 4, 2, 64),  # w < shard: local; w > shard: sub-ring
@@ -348,3 +350,36 @@ def _written_in_flight(rank, world):
 def test_checked_transfers_catch_a_buffer_written_in_flight(monkeypatch):
     monkeypatch.setenv(CHECK, "1")
     run_ranks(2, _written_in_flight)
+
+
+def _dynamic_lengths(rank, world):
+    """Replicated mode compiles one graph per bucket of lengths (passes/bucket_lengths.py),
+    padded inside and, here, padded again to what the ranks can share; sharded mode one per
+    length (its shards hold fixed positions)."""
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    config = dict(segment_lengths=[16, 64], dilation_rates=[1, 2])
+    for sharding, lengths, graphs in (("replicated", (40, 48, 60, 33), 2), ("sharded", (32, 64), 2)):
+        torch._dynamo.reset()
+        backend = ring_rewrite.backend(**config, sharding=sharding, layout="zigzag")
+        attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), backend=backend)
+        for n in lengths:
+            torch.manual_seed(n)
+            q, k, v = (torch.randn(1, 4, n, 8, requires_grad=True) for _ in range(3))
+            ref = reference_attention(q, k, v, **config)
+            expected = [ref, *torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))]
+            inputs = (q, k, v)
+            if sharding == "sharded":
+                cut = lambda x: ring_rewrite.shard(x.detach(), 2, layout="zigzag")  # noqa: E731
+                inputs = tuple(cut(x).requires_grad_() for x in inputs)
+                expected = [cut(x) for x in expected]
+            out = attend(*inputs)
+            got = [out, *torch.autograd.grad(out, inputs, torch.ones_like(out))]
+            errors = [rel_err(a, b) for a, b in zip(got, expected)]
+            assert max(errors) < BOUND, (rank, sharding, n, errors)
+        assert len(backend.records) == graphs, (sharding, [r.plan.n for r in backend.records])
+
+
+def test_dynamic_lengths_across_ranks():
+    run_ranks(2, _dynamic_lengths)
