@@ -35,6 +35,8 @@ class SiteRecord:
     kind: str
     shapes: dict[str, Any]
     reason: str | None = None
+    """Why the site is left alone; for a rewritten one, where its plan departs from the ring
+    over every rank (Note [Whole on every rank] in ``rewrite_sdpa.py``), or None."""
     plan: SitePlan | None = None
     passes: tuple[str, ...] = ()
     """The passes that changed the site, in pipeline order (``passes/pipeline.py``)."""

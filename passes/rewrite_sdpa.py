@@ -17,6 +17,19 @@ After::
 of ``ring_rewrite.attention``. Every inserted node carries ``meta["ring_rewrite"] = {"site": i,
 "role": ..., "branch": ...}`` and the SDPA node's ``stack_trace``.
 
+Note [Whole on every rank]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+What a site computes must not depend on P (SPEC §2). The ring needs every branch to fit the
+ranks' shards: a rate that divides each rank's part, a segment that divides a part or is a
+multiple of it. In sharded mode the shards are given, so a branch that does not fit is an
+error. In replicated mode the site first pads the sequence (up to ``_MAX_PADDING`` times its
+length, Note [Padding the sequence] in ``ring_rewrite/attention.py``); where no padding helps
+(segments of 100 with a rate of 1024, say), every rank holds the whole sequence anyway, so each
+computes the whole site as one rank would: the same function, with a warning at every compile
+and a note in the report, at P times the compute and O(N) memory per rank. No transfer, no
+gather: the ranks' results agree because their inputs do (with dropout, each rank draws its
+own mask).
+
 Note [One body per plan]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 A transformer's layers have sites with the same plan (and input strides). Their forward and
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import operator
 from typing import Any
 
@@ -44,7 +58,6 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.dilation import BranchLayout
 from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group, variant_hash
 from ring_rewrite.roles import role
 
@@ -56,6 +69,8 @@ __all__ = ["NAME", "rewrite_sdpa"]
 
 NAME = "rewrite_sdpa"
 """The pass's name in the pipeline and in the site records."""
+
+log = logging.getLogger(__name__)
 
 _SITE_TOKEN = torch.ops.ring_rewrite.site_token.default
 _SEEDS = 1 << 62  # a call's dropout seed is drawn from [0, _SEEDS)
@@ -73,10 +88,10 @@ def rewrite_sdpa(
         site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
         index = len(sites)
         reason = unsupported_reason(site)
-        plan = None
+        plan = note = None
         if reason is None:
             try:
-                plan = _plan(site, config, index, group, world, rank)
+                plan, note = _plan(site, config, index, group, world, rank)
             except ValueError as error:
                 reason = str(error)
         if plan is None:
@@ -88,7 +103,9 @@ def rewrite_sdpa(
         passes = (*node.meta.get(TOUCHED, ()), NAME)
         _rewrite_site(gm, site, plan, index, bodies, config)
         counters["ring_rewrite"]["rewritten"] += 1
-        sites.append(SiteRecord(index, site.location, "sdpa", site.shapes, plan=plan, passes=passes))
+        sites.append(
+            SiteRecord(index, site.location, "sdpa", site.shapes, reason=note, plan=plan, passes=passes)
+        )
         rewritten += 1
     if world > 1:
         keys = [_agreement_key(r) for r in sites]
@@ -116,30 +133,35 @@ def _agreement_key(record: SiteRecord) -> dict:
     return key
 
 
-def _plan(site: SdpaSite, config: RingDilatedConfig, index: int, group, world: int, rank: int) -> SitePlan:
-    """The site's plan; in replicated mode, on a padded sequence where the ranks cannot share
-    the length as it is (Note [Padding the sequence] in ring_rewrite/attention.py)."""
+def _plan(site, config, index, group, world, rank) -> tuple[SitePlan, str | None]:
+    """The site's plan, and a note where it is not the ring over every rank: in replicated
+    mode, on a padded sequence where the ranks cannot share the length as it is (Note [Padding
+    the sequence] in ring_rewrite/attention.py), else whole on every rank (Note [Whole on every
+    rank])."""
     try:
-        return _build(site, config, index, group, world, rank, pad=0)
+        return _build(site, config, index, group, world, rank, pad=0), None
     except ValueError as error:
         if config.sharding == "sharded" or world == 1:
             raise
         n = site.shapes["query"][2]
         step = world * (2 if config.layout == "zigzag" else 1)
-        for padded in range(n + step - n % step, _padding_limit(config, n, step) + step, step):
+        for padded in range(n + step - n % step, _MAX_PADDING * n + step, step):
             try:
-                return _build(site, config, index, group, world, rank, pad=padded - n)
+                return _build(site, config, index, group, world, rank, pad=padded - n), None
             except ValueError:
                 continue
-        raise ValueError(f"{error}; no padding up to {_padding_limit(config, n, step)} tokens helps") from None
+        note = (
+            f"whole on every rank, not across them: {error}, and no padding up to "
+            f"{_MAX_PADDING}x the length helps"
+        )
+        log.warning(
+            "ring_dilated: SDPA at %s runs %s (the same function; %d times the compute and O(N) "
+            "memory per rank)", site.location, note, world,
+        )  # fmt: skip
+        return _build(site, config, index, None, 1, 0, pad=0), note
 
 
-def _padding_limit(config: RingDilatedConfig, n: int, step: int) -> int:
-    """The longest padded length tried: 4x the site's, or what one rank pads a branch to (a
-    segment rounded up to a multiple of its rate, ``BranchLayout.padded``) for each of the
-    ``step`` shards, so a rate longer than a shard still finds its length."""
-    longest = max(BranchLayout(w, r, n, 1, 1, 1).padded for w, r in config.branches(n))
-    return max(4 * n, step * longest)
+_MAX_PADDING = 4  # a padded length is at most this multiple of the site's
 
 
 def _build(site, config, index, group, world, rank, *, pad) -> SitePlan:

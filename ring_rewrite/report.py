@@ -148,7 +148,7 @@ class Report:
                         if plan.world > 1
                         else "1",
                         "causal": plan.is_causal,
-                        "status": "rewritten",
+                        "status": "rewritten" if r.reason is None else f"rewritten, {r.reason}",
                         "GFLOP fwd (dense)": f"{attention_flops(plan) / 1e9:.3g} "
                         f"({dense_flops(plan) / 1e9:.3g})",
                         "MiB sent fwd / bwd": f"{_mib(sent['forward'])} / {_mib(sent['backward'])}",

@@ -106,7 +106,8 @@ CASES_P2 = [
     ([16, 64], [1, 2], True, "replicated", "contiguous", 4, 2, 50),
     ([32, 96], [1, 3], True, "replicated", "contiguous", 6, 6, 96),
     ([8, 32], [1, 2], False, "replicated", "contiguous", 4, 4, 40, "bool"),
-    # A rate longer than a shard: 100 -> 2048, a part of 1024 per rank (rewrite_sdpa._padding_limit).
+    # A rate longer than any shard within 4x padding: whole on every rank (Note [Whole on every
+    # rank] in passes/rewrite_sdpa.py), no transfer.
     ([16, 1024], [1, 1024], True, "replicated", "contiguous", 2, 2, 100),
 ]
 CASES_P4 = [

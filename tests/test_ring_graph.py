@@ -255,3 +255,20 @@ def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def test_a_branch_no_shard_fits_runs_whole_on_every_rank():
+    """Note [Whole on every rank]: segments of 100 with a rate of 1024 fit no shards within 4x
+    padding. Replicated mode computes the whole site on each rank (no transfer), says so in the
+    report and in a warning; sharded mode raises."""
+    config = dict(segment_lengths=[100, 1024], dilation_rates=[1, 1024], compiler="eager")
+    attend = lambda q: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
+    captures = capture_ranks(attend, [torch.randn(1, 2, 100, 8)], world=2, backward=False, strict=True, **config)
+    for cap in captures:
+        (record,) = cap.records
+        assert record.rewritten and record.plan.world == 1 and record.plan.n == 100
+        assert record.reason.startswith("whole on every rank, not across them: branch (w=1024, r=1024)")
+        assert "rewritten, whole on every rank" in str(cap.report)
+        assert not [t for t in cap.schedule()]
+    with pytest.raises(Exception, match="sharded mode cannot leave it alone: branch"):
+        capture_ranks(attend, [torch.randn(1, 2, 50, 8)], world=2, backward=False, sharding="sharded", **config)
