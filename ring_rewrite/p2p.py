@@ -127,8 +127,8 @@ from torch._dynamo.utils import counters
 __all__ = [
     "Rotater", "Ring", "InFlight", "KV", "KV_BACK", "DKV", "transfer_tag", "checking_transfers",
     "inductor_lowering", "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
-    "resume_token", "resolve_group", "global_rank", "check_agreement", "variant_hash",
-    "TransferTimeout", "RingOutOfStep", "MAX_BRANCHES",
+    "resume_token", "resolve_group", "global_rank", "global_ranks", "check_agreement",
+    "variant_hash", "TransferTimeout", "RingOutOfStep", "MAX_BRANCHES",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -394,6 +394,12 @@ def _recover(group, group_name, state, previous: dict, leftover: list, timeout: 
 def global_rank(group: dist.ProcessGroup, rank: int) -> int:
     """The global rank of ``group``'s rank ``rank`` (Note [Group ranks])."""
     return dist.get_global_rank(group, rank)
+
+
+def global_ranks(group_name: str) -> tuple[int, ...]:
+    """The global rank of each rank of the group named ``group_name``, in group rank order."""
+    group = _group(group_name)
+    return tuple(global_rank(group, r) for r in range(dist.get_world_size(group)))
 
 
 def _p2p(op, x: torch.Tensor, group: dist.ProcessGroup, peer: int, tag: int) -> dist.P2POp:
