@@ -293,7 +293,8 @@ def _open_call(group_name: str, site: int, direction: int, variant: int, timeout
             "ring_rewrite: the ranks are out of step: they entered different attention site calls "
             "(a rank skipped or repeated a call, raised and went on, or runs another compiled "
             "variant of the model): " + "; ".join(
-                f"rank {r}: {_header_text(headers[r])}" for r in range(len(headers))
+                f"rank {global_rank(group, r)}: {_header_text(header)}"
+                for r, header in enumerate(headers)
             ) + ". No transfer of this call was made; the next call starts in step again."
         )
     call = state.call
@@ -850,12 +851,13 @@ def all_gather_seq(
             f"ring_rewrite: all_gather_seq mixed transfers: tags {tags.tolist()} (expected {tag} "
             "on every rank); the ranks ran their gathers in different orders"
         )
-    differ = [r for r in range(world) if not torch.equal(tail[r], tail[0])]
+    differ = [global_rank(group, r) for r in range(world) if not torch.equal(tail[r], tail[0])]
     if differ:
         raise RuntimeError(
             f"ring_dilated: sharding='replicated' needs the same full sequence on every rank, but "
-            f"the attention inputs of rank(s) {differ} differ from rank 0's (data-parallel inputs? "
-            "use sharding='sharded' with shard(), or a group= of the ranks that share a sequence)"
+            f"the attention inputs of rank(s) {differ} differ from rank {global_rank(group, 0)}'s "
+            "(data-parallel inputs? use sharding='sharded' with shard(), or a group= of the ranks "
+            "that share a sequence)"
         )
     out = gathered[:, : x.numel() * x.element_size()].contiguous().view(x.dtype)
     return out.view(world, *x.shape), token.clone()
@@ -894,11 +896,13 @@ def check_agreement(group: dist.ProcessGroup, sites: list[dict]) -> None:
     everyone: list = [None] * world
     dist.all_gather_object(everyone, sites, group=group)
     mine = everyone[0]
-    for rank, theirs in enumerate(everyone):
+    first = global_rank(group, 0)  # errors name global ranks
+    for r, theirs in enumerate(everyone):
+        rank = global_rank(group, r)
         if len(theirs) != len(mine):
             raise RuntimeError(
                 f"ring_dilated: ranks disagree on the rewrite: {len(mine)} attention sites on "
-                f"rank 0 but {len(theirs)} on rank {rank}"
+                f"rank {first} but {len(theirs)} on rank {rank}"
             )
         for a, b in zip(mine, theirs):
             if ("reason" in a) != ("reason" in b):
@@ -907,13 +911,13 @@ def check_agreement(group: dist.ProcessGroup, sites: list[dict]) -> None:
                     f"{a.get('site')}: " + " but ".join(
                         f"left alone on rank {r} ({x['reason']})" if "reason" in x
                         else f"rewritten on rank {r}"
-                        for r, x in ((0, a), (rank, b))
+                        for r, x in ((first, a), (rank, b))
                     )
                 )
             for key in [*a, *(k for k in b if k not in a)]:
                 if a.get(key) != b.get(key):
                     raise RuntimeError(
                         f"ring_dilated: ranks disagree on the rewrite of attention site "
-                        f"{a.get('site')}: {key}={a.get(key)!r} on rank 0 but "
+                        f"{a.get('site')}: {key}={a.get(key)!r} on rank {first} but "
                         f"{key}={b.get(key)!r} on rank {rank}"
                     )

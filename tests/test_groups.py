@@ -83,6 +83,17 @@ def _recovery_in_the_group(rank, apart):
     assert not p2p._PENDING and counters["ring_rewrite"]["recovered_transfers"] == me
 
 
+def _errors_name_global_ranks(rank, apart):
+    from ring_rewrite import p2p
+
+    name, me = apart.group_name, dist.get_rank(apart)
+    token = p2p.site_token(1, name, 0, 20_000)
+    same = torch.full((1,), float(me))  # replicated mode's check: the ranks hold other sequences
+    first, second = rank % 2, rank % 2 + 2
+    with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{second}\] differ from rank {first}'s"):
+        torch.ops.ring_rewrite.all_gather_seq(torch.zeros(2), token, name, 2, 0, same)
+
+
 def _groups(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -92,6 +103,7 @@ def _groups(rank, world):
     apart = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     _tags_stay_in_their_group(rank, apart)
     _recovery_in_the_group(rank, apart)
+    _errors_name_global_ranks(rank, apart)
     # The issue's case: each dp replica's ring in its own cp group.
     _check(square["cp"], rank // 2, "sharded", "zigzag", True, [8, 32], [1, 2])
     _check(apart, rank % 2, "replicated", "contiguous", False, [8, 32], [1, 2])
