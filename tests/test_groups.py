@@ -1,8 +1,9 @@
 """Rings on process groups other than WORLD: one dimension of a ``(dp, cp)`` DeviceMesh, and
 groups of non-adjacent ranks (Note [Group ranks] in ring_rewrite/p2p.py).
 
-Every ``cp`` group holds its own sequence, as a data-parallel replica would; its outputs and
-gradients must equal the float64 reference on that sequence.
+On 4 gloo ranks, every ``cp`` group holds its own sequence, as a data-parallel replica would; its
+outputs and gradients must equal the float64 reference on that sequence. On a fake process group,
+every message goes to the global rank of the group rank its graph names, and the report says so.
 """
 
 from __future__ import annotations
