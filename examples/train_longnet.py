@@ -2,18 +2,22 @@
 
     make demo                  # 4 CPU ranks (gloo), 16,384 tokens per sample, about 2 minutes
     torchrun --standalone --nproc-per-node 4 examples/train_longnet.py [--seq 16384] [--steps 80]
+    make demo ARGS="--dp 2 --dp-mode fsdp"   # 2 data-parallel replicas x a ring of 2 ranks each
 
 The model is ordinary PyTorch: causal `F.scaled_dot_product_attention` with GQA, RoPE on the
 tokens' global positions, RMSNorm, SwiGLU. Compiled with `ring_rewrite.backend(...,
-sharding="sharded")`, each attention becomes ring dilated attention: every rank holds 1/P of the
-sequence (cut with `ring_rewrite.shard`) and the ranks pass K/V blocks around a ring.
-DistributedDataParallel averages the parameter gradients.
+sharding="sharded", group=mesh["cp"])`, each attention becomes ring dilated attention: the ranks
+sit on a `(dp, cp)` mesh; every rank of a `cp` group holds 1/cp of its replica's sequence (cut
+with `ring_rewrite.shard`) and the group passes K/V blocks around its ring, while each of the `dp`
+replicas trains on samples of its own. DistributedDataParallel (or FSDP2's `fully_shard`, with
+`--dp-mode fsdp`) averages the parameter gradients over all dp x cp ranks.
 
-Before the first optimizer step, its loss, logits and parameter gradients (averaged over the
-ranks by DDP) are checked against one process running the same model and weights on the whole
-sequence with the float64 `reference_attention`; the script exits non-zero if any differs by more
-than the float32 bound (1e-5 relative, per tensor: max-abs difference / max-abs value). Then one progress
-line per step (loss, tokens/s, peak memory per rank), a summary table, `results/demo_loss.png`.
+Before the first optimizer step, every replica's loss and logits, and the parameter gradients
+(averaged over the ranks), are checked against one process per replica running the same model and
+weights on that replica's whole sequence with the float64 `reference_attention` (the gradients
+against the replicas' mean); the script exits non-zero if any differs by more than the float32
+bound (1e-5 relative, per tensor: max-abs difference / max-abs value). Then one progress line per
+step (loss, tokens/s, peak memory per rank), a summary table, `results/demo_loss.png`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from tabulate import tabulate
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import ring_rewrite
@@ -180,14 +186,18 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The number of ranks comes from torchrun (make demo RANKS=8). --device cuda uses "
+        epilog="The number of ranks comes from torchrun (make demo RANKS=8): dp x cp. --device cuda uses "
         "NCCL and the same code path; it is untested (this project is developed on CPU only).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     arg = p.add_argument
     arg("--seq", type=int, default=16384, help="tokens per sample (the whole sequence, all ranks)")
     arg("--steps", type=int, default=80, help="optimizer steps")
-    arg("--batch-size", type=int, default=1, help="samples per step (each rank holds its shard of each)")
+    arg("--batch-size", type=int, default=1, help="samples per step and replica (each rank holds its shard of each)")
+    arg("--dp", type=int, default=1, help="data-parallel replicas, each with its own samples and a ring "
+        "of (ranks / dp) ranks")
+    arg("--dp-mode", default="ddp", choices=["ddp", "fsdp"], help="parameters replicated "
+        "(DistributedDataParallel) or sharded (FSDP2 fully_shard) over all ranks")  # fmt: skip
     arg("--lr", type=float, default=1e-2, help="peak AdamW learning rate (warmup, cosine to 10%%)")
     arg("--segments", type=int, nargs="+", default=[1024, 4096, 16384], help="segment lengths w")
     arg("--rates", type=int, nargs="+", default=[1, 4, 16], help="dilation rates r, one per segment")
@@ -201,7 +211,7 @@ def parse_args() -> argparse.Namespace:
     arg("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: a GPU per rank, NCCL; untested")
     arg("--data", type=Path, default=ROOT / "data" / "devils_dictionary.txt", help="text, read as bytes")
     arg("--out", type=Path, default=ROOT / "results" / "demo_loss.png", help="loss-curve PNG")
-    arg("--seed", type=int, default=0, help="weights and sample order (the same on every rank)")
+    arg("--seed", type=int, default=0, help="weights and samples (the same on every rank)")
     arg("--ref-chunk", type=int, default=512, help="query rows per chunk of the float64 check")
     arg("--check-bound", type=float, default=1e-5, help="largest relative difference the first-step "
         "check accepts (float32)")  # fmt: skip
@@ -234,41 +244,47 @@ def train(args: argparse.Namespace, device: torch.device, t_start: float) -> int
     say = functools.partial(print, flush=True) if rank == 0 else lambda *a, **k: None
     cfg = ModelConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads)
     n, batch, layout = args.seq, args.batch_size, args.layout
+    if args.dp < 1 or world % args.dp:
+        raise SystemExit(f"--dp {args.dp} must divide the {world} ranks")
+    dp, cp = args.dp, world // args.dp
+    # Each dp replica trains on samples of its own; the cp ranks of a replica share each of its
+    # samples through their ring.
+    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    replica, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
 
     text = torch.frombuffer(bytearray(args.data.read_bytes()), dtype=torch.uint8).long()
     if len(text) <= n + 1:
         raise SystemExit(f"--seq {n} needs a text longer than {n + 1} bytes; {args.data} has {len(text)}")
-    # Every rank draws the same samples (same seed) and cuts its own shard of each.
+    # Every rank draws the same samples (same seed), takes its replica's and cuts its shard of each.
     gen = torch.Generator().manual_seed(args.seed)
-    starts = torch.randint(0, len(text) - n - 1, (args.steps, batch), generator=gen)
+    starts = torch.randint(0, len(text) - n - 1, (args.steps, dp, batch), generator=gen)
     window = torch.arange(n + 1)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = LongNetLM(cfg).to(device)
     backend = ring_rewrite.backend(
         segment_lengths=args.segments, dilation_rates=args.rates, sharding="sharded", layout=layout,
-        compiler=args.compiler,
+        group=mesh["cp"], compiler=args.compiler,
     )  # fmt: skip
-    # Compile the module in place, then wrap it: dynamo traces the model, never DDP, so
-    # torch._dynamo.config.optimize_ddp (which splits a compiled DDP graph at its gradient
-    # buckets) does not come into play. DDP's hooks fire on the gradients that the compiled
-    # backward produces and average them over the group.
-    model.compile(backend=backend, fullgraph=True)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped = data_parallel(model, args.dp_mode, backend, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * s / args.steps))
     )
-    pos = ring_rewrite.positions(n, world=world, rank=rank, layout=layout, device=device)
+    pos = ring_rewrite.positions(n, world=cp, rank=cp_rank, layout=layout, device=device)
+    cut = functools.partial(ring_rewrite.shard, dim=1, group=mesh["cp"], layout=layout)
 
     params = sum(p.numel() for p in model.parameters())
     say(f"LongNet-style byte LM: {cfg.layers} layers, d_model {cfg.dim}, {cfg.heads} query / "
         f"{cfg.kv_heads} KV heads, RoPE, RMSNorm, SwiGLU; {params / 1e6:.2f} M parameters")
-    say(f"data: {args.data.name} ({len(text):,} bytes), {batch} x {n:,} tokens per step")
-    say(f"{world} ranks ({dist.get_backend()}, {device.type}), layout {layout}: {n // world:,} tokens "
-        f"per rank; dilated attention: segments {args.segments}, rates {args.rates}")
-    say(f"compiler {args.compiler}; gradients averaged by DistributedDataParallel")
+    say(f"data: {args.data.name} ({len(text):,} bytes), {dp * batch} x {n:,} tokens per step")
+    say(f"{world} ranks ({dist.get_backend()}, {device.type})"
+        + (f" = {dp} data-parallel replicas x rings of {cp}" if dp > 1 else "")
+        + f", layout {layout}: {n // cp:,} tokens per rank; dilated attention: segments "
+        f"{args.segments}, rates {args.rates}")  # fmt: skip
+    say(f"compiler {args.compiler}; gradients averaged over all {world} ranks by "
+        f"{'DistributedDataParallel' if args.dp_mode == 'ddp' else 'FSDP2 (fully_shard)'}")
     if device.type == "cuda":
         say("NOTE: --device cuda (NCCL) takes the same code path but is untested: this project is "
             "developed and checked on CPU only.")  # fmt: skip
@@ -280,20 +296,20 @@ def train(args: argparse.Namespace, device: torch.device, t_start: float) -> int
     tty, width = sys.stdout.isatty(), 0
     for step in range(args.steps):
         t0 = time.perf_counter()
-        seq = text[starts[step][:, None] + window].to(device)  # (B, N + 1) bytes
+        seq = text[starts[step, replica][:, None] + window].to(device)  # (B, N + 1) bytes
         inputs, targets = seq[:, :-1], seq[:, 1:]
-        logits = ddp(ring_rewrite.shard(inputs, 1, layout=layout), pos)
-        loss = lm_loss(logits, ring_rewrite.shard(targets, 1, layout=layout))
+        logits = wrapped(cut(inputs), pos)
+        loss = lm_loss(logits, cut(targets))
         if step == 0:
             say(f"compiled in {time.perf_counter() - t0:.1f} s\n\n{ring_rewrite.Report(backend.records)}\n")
             say("compiling the backward...")
         loss.backward()
         if step == 0:
             t_check = time.perf_counter()
-            if not first_step_check(args, cfg, model, inputs, targets, logits, loss, say):
+            if not first_step_check(args, cfg, model, mesh, inputs, targets, logits, loss, say):
                 say("FAIL: the sharded model does not compute what one process computes; not training")
                 return 1
-            reset_peak(device)  # the float64 check ran on rank 0 only: leave it out of the peaks
+            reset_peak(device)  # the float64 check ran on one rank per replica: leave it out of the peaks
             say("training")
             t0 += time.perf_counter() - t_check
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -310,7 +326,7 @@ def train(args: argparse.Namespace, device: torch.device, t_start: float) -> int
         step_times.append(dt)
         done = 20 * (step + 1) // args.steps
         line = (f"step {step + 1:>{len(str(args.steps))}}/{args.steps} [{'#' * done}{'.' * (20 - done)}] "
-                f"loss {losses[-1]:.4f} | {batch * n / dt:,.0f} tok/s | {dt:.2f} s | "
+                f"loss {losses[-1]:.4f} | {dp * batch * n / dt:,.0f} tok/s | {dt:.2f} s | "
                 f"peak MiB/rank {per_rank(peaks)}")  # fmt: skip
         if tty:  # one line, rewritten in place
             width = max(width, len(line))
@@ -320,69 +336,117 @@ def train(args: argparse.Namespace, device: torch.device, t_start: float) -> int
 
     if rank == 0:
         steady = step_times[1:] or step_times
+        replicas = f"{dp} replicas x " if dp > 1 else ""
         rows = [
-            ["steps", f"{args.steps} of {batch} x {n:,} tokens ({world} ranks x {n // world:,}, {layout})"],
+            ["steps", f"{args.steps} of {dp * batch} x {n:,} tokens ({replicas}{cp} ranks x {n // cp:,}, {layout})"],
             ["loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"],
             ["tokens/s (all ranks, steps 2+)",
-             f"{batch * n * len(steady) / sum(steady):,.0f}  ({sum(steady) / len(steady):.2f} s/step)"],
+             f"{dp * batch * n * len(steady) / sum(steady):,.0f}  ({sum(steady) / len(steady):.2f} s/step)"],
             ["step 1 (compiles fwd + bwd)", f"{step_times[0]:.1f} s"],
             [f"peak {'CUDA' if device.type == 'cuda' else 'RSS'} MiB per rank", per_rank(peaks)],
             ["wall time", f"{time.perf_counter() - t_start:.1f} s"],
         ]  # fmt: skip
         print("\n" + tabulate(rows, tablefmt="simple"))
-        print(f"loss curve: {plot(losses, args, world)}", flush=True)
+        print(f"loss curve: {plot(losses, args, dp, cp)}", flush=True)
     return 0
 
 
-def first_step_check(args, cfg, model, inputs, targets, logits, loss, say) -> bool:
-    """The first loss, logits and parameter gradients (what the optimizer will use: DDP's average
-    over the ranks) of the sharded run vs one process with float64 reference attention: same
-    weights, the whole sequence. Returns whether every rank may go on."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def data_parallel(model: LongNetLM, mode: str, backend, device: torch.device) -> nn.Module:
+    """``model`` compiled with ``backend``, its parameters replicated (DDP) or sharded (FSDP2)
+    over every rank and their gradients averaged over all: each rank holds other tokens (its
+    replica's samples, its part of each), as with torchtitan's ``dp_shard_cp`` mesh and
+    Megatron's data-parallel group with context parallel. Call the result.
+
+    DDP: the module is compiled in place, then wrapped. Dynamo traces the model, never DDP, so
+    torch._dynamo.config.optimize_ddp (which splits a compiled DDP graph at its gradient buckets)
+    does not come into play; DDP's hooks fire on the gradients that the compiled backward produces.
+    FSDP2: dynamo cannot trace its hooks in one graph, so each block (where the attention is) is
+    compiled, then sharded: the hooks sit on the compiled block, outside its graph (as torchtitan
+    does); the embedding and the head run eagerly.
+    """
+    if mode == "ddp":
+        model.compile(backend=backend, fullgraph=True)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    every_rank = init_device_mesh(device.type, (dist.get_world_size(),))
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = fully_shard(torch.compile(block, backend=backend, fullgraph=True), mesh=every_rank)
+    return fully_shard(model, mesh=every_rank)
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: FSDP2 holds a shard of each parameter and gradient (a DTensor)."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def first_step_check(args, cfg, model, mesh: DeviceMesh, inputs, targets, logits, loss, say) -> bool:
+    """Every replica's first loss and logits, and the parameter gradients (what the optimizer will
+    use: the average over the ranks), vs one process per replica with float64 reference attention:
+    same weights, the replica's whole sequence; the gradients vs the mean of the replicas'.
+    Returns whether every rank may go on (the same answer on every rank)."""
+    dp, cp = mesh.shape
+    replica, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
     with torch.no_grad():
         sharded = loss.detach().clone()
-        dist.all_reduce(sharded)  # means over equal shards: their mean is the global mean
-        sharded = sharded.item() / world
-        full_logits = ring_rewrite.unshard(logits.detach(), 1, layout=args.layout)
-    ok = torch.ones(1, device=inputs.device)
-    if rank == 0:
+        dist.all_reduce(sharded, group=mesh["cp"].get_group())  # means over equal shards
+        sharded = sharded.item() / cp  # the replica's mean
+        full_logits = ring_rewrite.unshard(logits.detach(), 1, group=mesh["cp"], layout=args.layout)
+        # (A compiled block's parameters are named inside it: "blocks.0._orig_mod.attn...".)
+        names = [name.replace("_orig_mod.", "") for name, _ in model.named_parameters()]
+        weights = {name: _full(p).detach() for name, p in zip(names, model.parameters())}
+        grads = {name: _full(p.grad) for name, p in zip(names, model.parameters())}
+    result = None
+    if cp_rank == 0:  # one process per replica: the first rank of its ring
         t0 = time.perf_counter()
         threads = torch.get_num_threads()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(cores or threads)  # the other ranks wait meanwhile
+        torch.set_num_threads(max(1, (cores or threads) // dp))  # the other ranks wait meanwhile
         attend = functools.partial(
             reference_attention, segment_lengths=args.segments, dilation_rates=args.rates,
             is_causal=True, query_chunk=args.ref_chunk,
         )  # fmt: skip
         ref = LongNetLM(cfg, attend=attend).to(inputs.device)
-        ref.load_state_dict(model.state_dict())
+        ref.load_state_dict(weights)
         ref.double()
         ref_logits = ref(inputs, torch.arange(inputs.shape[1], device=inputs.device))
         ref_loss = lm_loss(ref_logits, targets)
         ref_loss.backward()
         torch.set_num_threads(threads)
-        loss_err = abs(sharded - ref_loss.item()) / abs(ref_loss.item())
-        logits_err = rel_error(full_logits, ref_logits.detach())
+        # What the ranks' average is: the mean over the replicas (equal shards everywhere).
+        ref_grads = torch.cat([p.grad.flatten() for p in ref.parameters()])
+        dist.all_reduce(ref_grads, group=mesh["dp"].get_group())
+        ref_grads = (ref_grads / dp).split([p.numel() for p in ref.parameters()])
         grad_errs = {
-            name: rel_error(p.grad, r.grad)
-            for (name, p), r in zip(model.named_parameters(), ref.parameters())
+            name: rel_error(grads[name], r.view_as(grads[name])) for name, r in zip(grads, ref_grads)
         }
-        worst = max(grad_errs, key=grad_errs.get)
-        passed = max(loss_err, logits_err, grad_errs[worst]) <= args.check_bound
-        ok.fill_(float(passed))
-        took = time.perf_counter() - t0
-        say(f"first-step check vs one process with float64 reference attention ({took:.1f} s):")
-        say(f"  loss    sharded over {world} ranks {sharded:.8f}   reference {ref_loss.item():.8f}   "
+        result = (
+            replica, sharded, ref_loss.item(), abs(sharded - ref_loss.item()) / abs(ref_loss.item()),
+            rel_error(full_logits, ref_logits.detach()), grad_errs, time.perf_counter() - t0,
+        )  # fmt: skip
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, result)
+    results = sorted(r for r in everyone if r is not None)
+    passed = all(max(loss_err, logits_err, *errs.values()) <= args.check_bound
+                 for _, _, _, loss_err, logits_err, errs, _ in results)  # fmt: skip
+    per_replica = "one process per replica" if dp > 1 else "one process"
+    say(f"first-step check vs {per_replica} with float64 reference attention "
+        f"({max(r[-1] for r in results):.1f} s):")  # fmt: skip
+    for d, sharded, ref_loss, loss_err, logits_err, _, _ in results:
+        which = f" (replica {d})" if dp > 1 else ""
+        say(f"  loss{which}    sharded over {cp} ranks {sharded:.8f}   reference {ref_loss:.8f}   "
             f"rel. difference {loss_err:.2e}")
-        say(f"  logits  max-abs rel. difference {logits_err:.2e}")
-        say(f"  grads   max-abs rel. difference {grad_errs[worst]:.2e} (worst of {len(grad_errs)} "
-            f"parameters: {worst}; median {sorted(grad_errs.values())[len(grad_errs) // 2]:.2e})")
-        say(f"  {'OK' if passed else 'FAIL'}: bound {args.check_bound:.0e} (float32)")
-    dist.broadcast(ok, src=0)
-    return bool(ok.item())
+        say(f"  logits{which}  max-abs rel. difference {logits_err:.2e}")
+    grad_errs = results[0][5]
+    worst = max(grad_errs, key=grad_errs.get)
+    mean = f" vs the mean of {dp} replicas'" if dp > 1 else ""
+    say(f"  grads   max-abs rel. difference {grad_errs[worst]:.2e}{mean} (worst of {len(grad_errs)} "
+        f"parameters: {worst}; median {sorted(grad_errs.values())[len(grad_errs) // 2]:.2e})")
+    say(f"  {'OK' if passed else 'FAIL'}: bound {args.check_bound:.0e} (float32)")
+    return passed
 
 
-def plot(losses: list[float], args: argparse.Namespace, world: int) -> Path:
+def plot(losses: list[float], args: argparse.Namespace, dp: int, cp: int) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -392,7 +456,8 @@ def plot(losses: list[float], args: argparse.Namespace, world: int) -> Path:
     ax.plot(range(1, len(losses) + 1), losses, marker="o", markersize=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (cross-entropy, nats/byte)")
-    ax.set_title(f"ring dilated attention: {world} ranks x {args.seq // world:,} tokens ({args.layout}), "
+    replicas = f"{dp} replicas x " if dp > 1 else ""
+    ax.set_title(f"ring dilated attention: {replicas}{cp} ranks x {args.seq // cp:,} tokens ({args.layout}), "
                  f"segments {args.segments}, rates {args.rates}", fontsize=8)  # fmt: skip
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -55,7 +55,7 @@ from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
 from .ops import stat_dtype
-from .p2p import DKV, KV, KV_BACK, Ring, Rotater
+from .p2p import DKV, KV, KV_BACK, Ring, Rotater, global_ranks
 from .roles import role
 from .schedule import Block, BranchPlan, plan_branch, shard_parts
 
@@ -97,6 +97,9 @@ class SitePlan:
     dropout: float = 0.0
     """Probability that an attention probability drops (Note [Dropout in blocks] in
     ``kernels.py``); the site's calls then take a ``seed``."""
+    ranks: tuple[int, ...] = (0,)
+    """The global rank of each rank of the group (``ranks[rank]`` is this process): what the
+    report names. Rings and transfers speak group ranks (Note [Group ranks] in ``p2p.py``)."""
 
     @classmethod
     def build(
@@ -117,9 +120,10 @@ class SitePlan:
             )  # fmt: skip
             for w, r in branches
         )
+        ranks = global_ranks(group_name) if group_name else tuple(range(world))
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
-            world, rank, group_name, sharding, layout, plans, pad, dropout,
+            world, rank, group_name, sharding, layout, plans, pad, dropout, ranks,
         )  # fmt: skip
 
     @property

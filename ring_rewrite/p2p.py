@@ -94,6 +94,19 @@ send nobody received is received and dropped), then waits for its own. After tha
 pending and nothing stale is on the wire, and the call goes on. A header or gather that misses
 its deadline cannot be recovered (a collective half done leaves the group's collectives out of
 order): the group is marked broken and every later call raises at once, naming the first error.
+
+Note [Group ranks]
+~~~~~~~~~~~~~~~~~~
+A ring runs in one process group (``RingDilatedConfig.group``): WORLD, a ``new_group``, or one
+dimension of a DeviceMesh, such as ``cp`` of a ``(dp, cp)`` mesh. Everything here speaks that
+group's ranks: the plans (``SitePlan.rank``, ``BranchPlan.ring``), ``ring_shift_start``'s
+``send_to`` / ``recv_from``, the gathers and recovery. torch's ``P2POp`` takes a global rank, and
+``global_rank`` is the one translation: where a ``P2POp`` is built (``_p2p``), and where an error
+or the report names a rank. A tag needs no group in it: gloo keeps one context per process group,
+and a message matches only a receive posted in its own group (two groups over the same two ranks,
+the same tag, received in the other order: each got its own message). So two ``cp`` groups never
+cross, nor a rank's ring its ``dp`` collectives (FSDP, DDP); ``check_agreement``, the headers and
+the gathers are collectives of the ring's group only.
 """
 
 from __future__ import annotations
@@ -114,8 +127,8 @@ from torch._dynamo.utils import counters
 __all__ = [
     "Rotater", "Ring", "InFlight", "KV", "KV_BACK", "DKV", "transfer_tag", "checking_transfers",
     "inductor_lowering", "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
-    "resume_token", "resolve_group", "check_agreement", "variant_hash", "TransferTimeout",
-    "RingOutOfStep", "MAX_BRANCHES",
+    "resume_token", "resolve_group", "global_rank", "global_ranks", "check_agreement",
+    "variant_hash", "TransferTimeout", "RingOutOfStep", "MAX_BRANCHES",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -280,7 +293,8 @@ def _open_call(group_name: str, site: int, direction: int, variant: int, timeout
             "ring_rewrite: the ranks are out of step: they entered different attention site calls "
             "(a rank skipped or repeated a call, raised and went on, or runs another compiled "
             "variant of the model): " + "; ".join(
-                f"rank {r}: {_header_text(headers[r])}" for r in range(len(headers))
+                f"rank {global_rank(group, r)}: {_header_text(header)}"
+                for r, header in enumerate(headers)
             ) + ". No transfer of this call was made; the next call starts in step again."
         )
     call = state.call
@@ -336,29 +350,28 @@ def _recover(group, group_name, state, previous: dict, leftover: list, timeout: 
     """Complete what a failed call left half done, on every rank (Note [Calls, deadlines and
     recovery]): ``previous`` is what this rank started in that call."""
     world = dist.get_world_size(group)
-    me = dist.get_rank()
+    me = dist.get_rank(group)
     mine = pickle.dumps(list(previous.values()))
     size = _all_gather(group, torch.tensor([len(mine)]), timeout, "recovery", state)
     payload = torch.zeros(int(size.max()), dtype=torch.uint8)
     payload[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     everyone = _all_gather(group, payload, timeout, "recovery", state)
     ops = []
-    for r in range(world):
-        peer = dist.get_global_rank(group, r)
+    for peer in range(world):
         if peer == me:
             continue
-        for t in pickle.loads(everyone[r, : int(size[r])].numpy().tobytes()):
+        for t in pickle.loads(everyone[peer, : int(size[peer])].numpy().tobytes()):
             if (t.call, t.tag) in previous:
                 continue  # this rank did its half
             wire = _wire(t.call, t.tag)
             if t.send_to == me:  # sent to us, never received: receive it and drop it
                 ops += [
-                    dist.P2POp(dist.irecv, torch.empty(shape, dtype=dtype), peer, group, 8 * wire + i)
+                    _p2p(dist.irecv, torch.empty(shape, dtype=dtype), group, peer, 8 * wire + i)
                     for i, shape, dtype in t.sends
                 ]
             if t.recv_from == me:  # waits for us, never sent: send zeros
                 ops += [
-                    dist.P2POp(dist.isend, torch.zeros(shape, dtype=dtype), peer, group, 8 * wire + i)
+                    _p2p(dist.isend, torch.zeros(shape, dtype=dtype), group, peer, 8 * wire + i)
                     for i, shape, dtype in t.recvs
                 ]
     works = [_Work(w) for w in dist.batch_isend_irecv(ops)] if ops else []
@@ -377,6 +390,23 @@ def _recover(group, group_name, state, previous: dict, leftover: list, timeout: 
         "ring_rewrite: recovered %d transfer(s) left over by a failed call (%d message(s) "
         "completed for peers)", len(leftover), len(ops),
     )  # fmt: skip
+
+
+def global_rank(group: dist.ProcessGroup, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (Note [Group ranks])."""
+    return dist.get_global_rank(group, rank)
+
+
+def global_ranks(group_name: str) -> tuple[int, ...]:
+    """The global rank of each rank of the group named ``group_name``, in group rank order."""
+    group = _group(group_name)
+    return tuple(global_rank(group, r) for r in range(dist.get_world_size(group)))
+
+
+def _p2p(op, x: torch.Tensor, group: dist.ProcessGroup, peer: int, tag: int) -> dist.P2POp:
+    """``op`` (``dist.isend`` or ``dist.irecv``) of ``x`` with ``group``'s rank ``peer``: every
+    message of the ring is built here (Note [Group ranks])."""
+    return dist.P2POp(op, x, global_rank(group, peer), group, tag)
 
 
 def _wire(call: int, tag: int) -> int:
@@ -456,6 +486,7 @@ class _Pending:
     group_name: str
     name: str
     peers: tuple[int, int]
+    """Global ranks sent to and received from (what errors name)."""
     works: list[_Work]
     received: list[torch.Tensor]
     sent: list[torch.Tensor]
@@ -480,8 +511,8 @@ def _start(
     group_name: str, token: torch.Tensor, xs: list[torch.Tensor], send_to: int, recv_from: int,
     tag: int,
 ) -> tuple[int, int]:  # fmt: skip
-    """Send ``xs`` to global rank ``send_to`` and receive their like from ``recv_from`` under
-    ``tag`` of the token's call; returns the transfer's key in ``_PENDING``."""
+    """Send ``xs`` to ``send_to`` and receive their like from ``recv_from`` (ranks of the group)
+    under ``tag`` of the token's call; returns the transfer's key in ``_PENDING``."""
     key, wire, name, _ = _message_tag(token, tag)
     if key in _PENDING:
         raise RuntimeError(f"ring_rewrite: transfer {name} started twice without a wait")
@@ -501,11 +532,12 @@ def _start(
         sends.append((_MAX_TENSORS, ours))
         recvs.append((_MAX_TENSORS, theirs))
         prints = (ours, theirs)
-    ops = [dist.P2POp(dist.isend, x, send_to, group, 8 * wire + i) for i, x in sends]
-    ops += [dist.P2POp(dist.irecv, r, recv_from, group, 8 * wire + i) for i, r in recvs]
+    ops = [_p2p(dist.isend, x, group, send_to, 8 * wire + i) for i, x in sends]
+    ops += [_p2p(dist.irecv, r, group, recv_from, 8 * wire + i) for i, r in recvs]
     works = [_Work(w) for w in dist.batch_isend_irecv(ops)]
+    peers = (global_rank(group, send_to), global_rank(group, recv_from))
     _PENDING[key] = _Pending(
-        group_name, f"transfer {name}", (send_to, recv_from), works, received, sent, given, prints
+        group_name, f"transfer {name}", peers, works, received, sent, given, prints
     )
     call = int(token[_GROUP_CALL])
     _state(group_name).started[call, tag] = _Started(
@@ -555,10 +587,11 @@ def ring_shift_start(
     recv_from: int,
     tag: int,
 ) -> torch.Tensor:
-    """Start sending ``xs`` to global rank ``send_to`` and receiving tensors like them from
-    ``recv_from``; returns the next token at once. ``ring_shift_wait`` under the same ``tag``,
-    given the same ``xs``, returns what arrived: the compute between the two overlaps the
-    transfer. Use it through ``Rotater`` (Note [Buffers in flight]).
+    """Start sending ``xs`` to ``send_to`` and receiving tensors like them from ``recv_from``
+    (ranks of the group, Note [Group ranks]); returns the next token at once.
+    ``ring_shift_wait`` under the same ``tag``, given the same ``xs``, returns what arrived: the
+    compute between the two overlaps the transfer. Use it through ``Rotater`` (Note [Buffers in
+    flight]).
 
     Message ``i`` goes under wire tag ``8 * wire + i`` (``_wire``: the tag and the call);
     with fingerprints, they go under ``8 * wire + 4``.
@@ -669,7 +702,7 @@ class Rotater:
 
     def ring(self, branch: int, send_to: int, recv_from: int) -> Ring:
         """Branch ``branch``'s ring, in which this rank sends to ``send_to`` and receives from
-        ``recv_from`` (global ranks)."""
+        ``recv_from`` (ranks of the group, Note [Group ranks])."""
         return Ring(self, branch, send_to, recv_from)
 
     def wait(self, flight: InFlight, after: list = ()) -> list:
@@ -802,8 +835,8 @@ def all_gather_seq(
     me = dist.get_rank(group)
     keys = [
         _start(
-            group_name, token, [payload], dist.get_global_rank(group, (me + d) % world),
-            dist.get_global_rank(group, (me - d) % world), transfer_tag(0, GATHER, d),
+            group_name, token, [payload], (me + d) % world, (me - d) % world,
+            transfer_tag(0, GATHER, d),
         )  # fmt: skip
         for d in range(1, world)
     ]
@@ -818,12 +851,13 @@ def all_gather_seq(
             f"ring_rewrite: all_gather_seq mixed transfers: tags {tags.tolist()} (expected {tag} "
             "on every rank); the ranks ran their gathers in different orders"
         )
-    differ = [r for r in range(world) if not torch.equal(tail[r], tail[0])]
+    differ = [global_rank(group, r) for r in range(world) if not torch.equal(tail[r], tail[0])]
     if differ:
         raise RuntimeError(
             f"ring_dilated: sharding='replicated' needs the same full sequence on every rank, but "
-            f"the attention inputs of rank(s) {differ} differ from rank 0's (data-parallel inputs? "
-            "use sharding='sharded' with shard(), or a group= of the ranks that share a sequence)"
+            f"the attention inputs of rank(s) {differ} differ from rank {global_rank(group, 0)}'s "
+            "(data-parallel inputs? use sharding='sharded' with shard(), or a group= of the ranks "
+            "that share a sequence)"
         )
     out = gathered[:, : x.numel() * x.element_size()].contiguous().view(x.dtype)
     return out.view(world, *x.shape), token.clone()
@@ -862,11 +896,13 @@ def check_agreement(group: dist.ProcessGroup, sites: list[dict]) -> None:
     everyone: list = [None] * world
     dist.all_gather_object(everyone, sites, group=group)
     mine = everyone[0]
-    for rank, theirs in enumerate(everyone):
+    first = global_rank(group, 0)  # errors name global ranks
+    for r, theirs in enumerate(everyone):
+        rank = global_rank(group, r)
         if len(theirs) != len(mine):
             raise RuntimeError(
                 f"ring_dilated: ranks disagree on the rewrite: {len(mine)} attention sites on "
-                f"rank 0 but {len(theirs)} on rank {rank}"
+                f"rank {first} but {len(theirs)} on rank {rank}"
             )
         for a, b in zip(mine, theirs):
             if ("reason" in a) != ("reason" in b):
@@ -875,13 +911,13 @@ def check_agreement(group: dist.ProcessGroup, sites: list[dict]) -> None:
                     f"{a.get('site')}: " + " but ".join(
                         f"left alone on rank {r} ({x['reason']})" if "reason" in x
                         else f"rewritten on rank {r}"
-                        for r, x in ((0, a), (rank, b))
+                        for r, x in ((first, a), (rank, b))
                     )
                 )
             for key in [*a, *(k for k in b if k not in a)]:
                 if a.get(key) != b.get(key):
                     raise RuntimeError(
                         f"ring_dilated: ranks disagree on the rewrite of attention site "
-                        f"{a.get('site')}: {key}={a.get(key)!r} on rank 0 but "
+                        f"{a.get('site')}: {key}={a.get(key)!r} on rank {first} but "
                         f"{key}={b.get(key)!r} on rank {rank}"
                     )

@@ -98,9 +98,20 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
     return {"saved": saved, "peak": saved + grads + branch_peak}
 
 
-def _branch_summary(branch) -> str:
-    where = "local" if branch.is_local else f"ring {len(branch.ring)}"
+def _branch_summary(plan: SitePlan, branch) -> str:
+    where = "local" if branch.is_local else f"ring {_ranks(plan.ranks[r] for r in branch.ring)}"
     return f"({branch.w},{branch.r}) {where}"
+
+
+def _ranks(ranks) -> str:
+    """Global ranks, runs of consecutive ranks shortened: ``0-3``, ``1,3``, ``0-1,4-5``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
 def _mib(n: int) -> str:
@@ -113,7 +124,11 @@ def _shape(s: Any) -> str:
 
 @dataclasses.dataclass
 class Report:
-    """One row per attention site the backend saw; ``str(report)`` is a ``tabulate`` table."""
+    """One row per attention site the backend saw; ``str(report)`` is a ``tabulate`` table.
+
+    Ranks are global: ``rank (group)`` (with more than one rank) is this process and the ranks of
+    its ring's group, and a ring branch names the ranks of its (sub-)ring.
+    """
 
     records: list[Any]
 
@@ -142,11 +157,13 @@ class Report:
                 mem, sent = attention_memory_bytes(plan), bytes_sent(plan)
                 row.update(
                     {
-                        "branches (w, r)": " ".join(_branch_summary(b) for b in plan.branches),
+                        "branches (w, r)": " ".join(_branch_summary(plan, b) for b in plan.branches),
                         "P / mode / layout": f"{plan.world} / {plan.sharding} / {plan.layout}"
                         + (f" (N padded to {plan.n})" if plan.pad else "")
                         if plan.world > 1
                         else "1",
+                        **({"rank (group)": f"{plan.ranks[plan.rank]} ({_ranks(plan.ranks)})"}
+                           if plan.world > 1 else {}),
                         "causal": plan.is_causal,
                         "status": "rewritten" if r.reason is None else f"rewritten, {r.reason}",
                         "GFLOP fwd (dense)": f"{attention_flops(plan) / 1e9:.3g} "

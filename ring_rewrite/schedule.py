@@ -56,7 +56,8 @@ class BranchPlan:
     r: int
     layout: BranchLayout
     ring: tuple[int, ...]
-    """Global ranks of the (sub-)ring in ring order; one rank for a local branch."""
+    """Ranks of the (sub-)ring in ring order, as ranks of the site's process group (Note [Group
+    ranks] in ``p2p.py``); one rank for a local branch."""
     position: int
     """This rank's index in ``ring``."""
     steps: tuple[tuple[Block, ...], ...]
@@ -92,7 +93,8 @@ def plan_branch(
     hq: int,
     hkv: int,
 ) -> BranchPlan:
-    """The branch's plan on ``rank``; raises ValueError when the shards cannot carry it."""
+    """The branch's plan on ``rank`` of a group of ``world`` ranks; raises ValueError when the
+    shards cannot carry it."""
     n_local = n_global // world
     if world == 1:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)

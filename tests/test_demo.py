@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,21 @@ def test_demo_trains_and_reports(tmp_path):
         assert row in out
     png = tmp_path / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_on_a_dp_cp_mesh_with_fsdp(tmp_path):
+    # 2 data-parallel replicas x rings of 2 ranks, FSDP2: each replica checked on its own samples.
+    proc = run_demo(tmp_path, "--dp", "2", "--dp-mode", "fsdp", "--compiler", "aot_eager")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "4 ranks (gloo, cpu) = 2 data-parallel replicas x rings of 2" in out
+    assert "gradients averaged over all 4 ranks by FSDP2 (fully_shard)" in out
+    assert "2 / sharded / zigzag  0 (0-1)" in out  # rank 0's ring is its cp group, ranks 0 and 1
+    losses = re.findall(r"loss \(replica (\d)\)\s+sharded over 2 ranks ([\d.]+)", out)
+    assert [d for d, _ in losses] == ["0", "1"] and losses[0][1] != losses[1][1], out  # own samples
+    assert "grads   max-abs rel. difference" in out and "vs the mean of 2 replicas'" in out
+    assert "OK: bound 1e-05 (float32)" in out
+    assert "step 2/2" in out
 
 
 def test_demo_exits_nonzero_when_the_first_step_is_off(tmp_path):

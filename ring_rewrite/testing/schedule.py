@@ -32,6 +32,8 @@ class Transfer:
     """Shapes of the tensors sent (AOT graphs; None in dynamo subgraphs, which carry no values)."""
     dtypes: tuple[torch.dtype, ...] | None
     send_to: int | None
+    """The rank sent to, as a rank of the ring's process group (Note [Group ranks] in
+    ``ring_rewrite/p2p.py``); None for a gather."""
     recv_from: int | None
 
     @property
