@@ -114,8 +114,8 @@ def check_report(report: ring_rewrite.Report) -> list[str]:
     """Compare every row of the report with ``EXPECTED``; return the differences."""
     names, problems, seen = site_lines(), [], set()
     for record in report.records:
-        line = record.location.rsplit(":", 1)[-1]
-        name = names.get(int(line)) if line.isdigit() else None
+        line = re.search(r":(\d+)\)?$", record.location)  # "[module.path (]file.py:line[)]"
+        name = names.get(int(line.group(1))) if line else None
         if name is None:
             problems.append(f"site {record.site} at {record.location}: not a site of Model.forward")
             continue

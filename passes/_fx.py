@@ -66,18 +66,22 @@ def trace_subgraph(
 
 
 def location(node: fx.Node) -> str:
-    """``file:line`` of the user's code that produced ``node`` (last frame of its stack trace)."""
+    """Where ``node`` came from: the module path of the layer that made it (dynamo's
+    ``nn_module_stack``, the root left out) and ``file:line`` of the user's code (the last frame of
+    its stack trace), as ``layers.3.self_attn (model.py:12)``; either alone where the other is
+    unknown; ``?`` where both are."""
     frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    line = ""
     if frames:
-        path, line = frames[-1]
-        return f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{line}"
-    # Dynamo keeps no user frame for code inside a compiled nn.Module's own library modules
-    # (nn.TransformerEncoder, say): name the module instead.
+        path, number = frames[-1]
+        line = f"{path.replace(chr(92), '/').rsplit('/', 1)[-1]}:{number}"
+    # NOTE: dynamo keeps no user frame for code inside a compiled nn.Module's own library
+    # modules (nn.TransformerEncoder, say): the module path names the site there.
     modules = node.meta.get("nn_module_stack") or {}
-    if modules:
-        path, _ = list(modules.values())[-1]
-        return _LOCAL.sub("", path) or "?"
-    return "?"
+    module = _LOCAL.sub("", list(modules.values())[-1][0]) if modules else ""
+    if module and line:
+        return f"{module} ({line})"
+    return module or line or "?"
 
 
 def propagate_example_values(nodes: list[fx.Node]) -> None:

@@ -43,6 +43,8 @@ class RingDilatedBackend:
     def __init__(self, config: RingDilatedConfig | None = None, *, inner: Callable | None = None) -> None:
         self.config = config or RingDilatedConfig()
         check_disabled(self.config)
+        # NOTE: dynamo names a failing backend by its __name__: "backend='ring_dilated' raised".
+        self.__name__ = BACKEND_NAME
         self.inner = inner
         self.records: list[Any] = []
 

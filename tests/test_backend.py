@@ -208,3 +208,32 @@ def test_recompile_limit_raises_instead_of_running_unrewritten(sharding):
         lengths(plain, 16, 32, 48, 64)
         assert counter.frame_count == 2
         assert not torch._dynamo.config.fail_on_recompile_limit_hit
+
+
+def test_sites_named_by_layer_and_line():
+    """Issue 18: the report, warnings and errors name a site by its module path and line."""
+
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Attend() for _ in range(2))
+
+        def forward(self, q, k, v):
+            for layer in self.layers:
+                q = layer(q, k, v)
+            return q
+
+    report = ring_rewrite.explain(Layers(), *qkv(), segment_lengths=SEGMENTS, dilation_rates=RATES)
+    line = Attend.forward.__code__.co_firstlineno + 1
+    assert [r.location for r in report.records] == [f"layers.{i} (test_backend.py:{line})" for i in (0, 1)]
+    assert f"layers.1 (test_backend.py:{line})" in str(report)
+
+
+def test_errors_through_a_backend_object_name_the_backend():
+    backend = ring_rewrite.backend(strict=True, compiler="eager")
+    dense = lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(32, 32))  # noqa: E731
+    with pytest.raises(Exception) as info:
+        torch.compile(dense, backend=backend)(qkv()[0])
+    message = str(info.value)
+    assert "backend='ring_dilated' raised" in message and " object at 0x" not in message
+    assert "ring_dilated: SDPA at test_backend.py:" in message and "dense attn_mask" in message

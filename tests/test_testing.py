@@ -429,9 +429,10 @@ def test_assert_rewritten_counts_a_module_left_alone():
     assert record.kind == "multi_head_attention_forward"
 
 
-def test_site_named_by_module_path_without_a_user_frame():
-    """Inside a library module (nn.TransformerEncoder, say) dynamo keeps no user frame: the site
-    is named by its module path, the same way in the records and in the graph checks."""
+def test_site_named_by_module_path_and_line():
+    """A site is named by its layer's module path and the user's line; inside a library module
+    (nn.TransformerEncoder, say) dynamo keeps no user frame: the module path alone names it, the
+    same way in the records and in the graph checks."""
     from ring_rewrite.passes import location
 
     node = torch.fx.Graph().placeholder("x")
@@ -439,6 +440,8 @@ def test_site_named_by_module_path_without_a_user_frame():
     node.meta["nn_module_stack"] = {"a": ("L['self'].layers.0", None), "b": ("L['self'].layers.0.self_attn", None)}
     assert location(node) == "layers.0.self_attn"
     node.meta["stack_trace"] = '  File "/home/me/model.py", line 12, in forward\n    x = attn(x)\n'
+    assert location(node) == "layers.0.self_attn (model.py:12)"  # issue 18: by layer, and line
+    node.meta["nn_module_stack"] = {"a": ("L['self']", None)}  # the root module: no path
     assert location(node) == "model.py:12"
 
 

@@ -79,7 +79,8 @@ def assert_left_alone(result: Any, site: int | str | None = None, reason: str | 
     """Assert that an attention site was left alone (not rewritten), with a reason containing
     ``reason``; returns its record.
 
-    ``site`` is a site id or a substring of its ``file:line`` location; ``None`` means any site.
+    ``site`` is a site id or a substring of its location (``layers.3.self_attn (model.py:12)``:
+    module path and ``file:line``); ``None`` means any site.
     With a ``Capture`` the site's SDPA (or attention-module) node must also still be in its graph.
     """
     __tracebackhide__ = True
