@@ -34,11 +34,10 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import resolve_group
 
 from ._fx import propagate_example_values, stamp
 from .find_sdpa import SdpaSite, find_sdpa_sites
-from .records import records
+from .records import records, sharded
 
 __all__ = ["NAME", "bucket_lengths", "bucket"]
 
@@ -52,8 +51,7 @@ def bucket(n: int) -> int:
 
 def bucket_lengths(gm: fx.GraphModule, example_inputs: Any = None, *, config: RingDilatedConfig) -> fx.GraphModule:
     """Pad every site with a symbolic sequence length to its bucket, in place."""
-    _, world, _ = resolve_group(config.group)
-    if world > 1 and config.sharding == "sharded":
+    if sharded(config):
         return gm
     changed = 0
     first = len(records(gm))  # the site numbers rewrite_sdpa will give
