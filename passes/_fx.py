@@ -84,6 +84,19 @@ def location(node: fx.Node) -> str:
     return module or line or "?"
 
 
+def erase_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, then its inputs that nothing reads any more, and so
+    on (pure nodes only: never a placeholder or an op with side effects)."""
+    stack, erased = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or n.is_impure():
+            continue
+        stack.extend(n.all_input_nodes)
+        graph.erase_node(n)
+        erased.add(n)
+
+
 def propagate_example_values(nodes: list[fx.Node]) -> None:
     """Give each new node the ``example_value`` dynamo would have (the passes read them), in
     the fake mode of its inputs' values."""

@@ -18,8 +18,11 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from ring_rewrite import kernels
 
 from ._fx import location
+from .masks import MaskStructure, mask_structure
 
-__all__ = ["SdpaSite", "bind_sdpa", "find_sdpa_sites", "unsupported_reason", "SDPA_TARGETS"]
+__all__ = [
+    "SdpaSite", "bind_sdpa", "dense_mask", "find_sdpa_sites", "unsupported_reason", "SDPA_TARGETS",
+]  # fmt: skip
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -118,13 +121,27 @@ def unsupported_reason(site: SdpaSite) -> str | None:
         if mask.dtype != torch.bool and not mask.is_floating_point():
             return f"attn_mask dtype {mask.dtype}"
         ms = _static_shape(mask)
-        if not _is_key_padding(ms, qs, ks[2]):
-            return f"dense attn_mask of shape {ms} (only key-padding masks (B|1, H|1, 1, N) are supported)"
+        if not _broadcasts(ms, qs, ks[2]):
+            return f"attn_mask of shape {ms} does not broadcast to (B, H, N, N) = {(*qs[:3], ks[2])}"
+        structure = dense_mask(site)
+        if isinstance(structure, str):
+            return structure
     return None
 
 
-def _is_key_padding(ms: tuple[int, ...], qs: tuple[int, ...], n: int) -> bool:
-    if len(ms) < 2 or len(ms) > 4 or ms[-2] != 1 or ms[-1] != n:
+def dense_mask(site: SdpaSite) -> MaskStructure | str | None:
+    """The structure of the site's ``(.., N, N)`` mask read from the graph that builds it
+    (``passes/masks.py``), or the reason it has none; None without a mask or for a key-padding
+    mask ``(.., 1, N)``, which is its own key bias."""
+    mask = site.meta(site.attn_mask)
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-2] == 1:
+        return None
+    return mask_structure(site.attn_mask, _static_shape(site.meta(site.key))[2])
+
+
+def _broadcasts(ms: tuple[int, ...], qs: tuple[int, ...], n: int) -> bool:
+    """Whether a mask of shape ``ms`` is ``(B|1, H|1, 1|N, N)``."""
+    if len(ms) < 2 or len(ms) > 4 or ms[-2] not in (1, qs[2]) or ms[-1] != n:
         return False
     lead = (1,) * (4 - len(ms)) + ms[:-2]
     return lead[0] in (1, qs[0]) and lead[1] in (1, qs[1])

@@ -61,8 +61,9 @@ from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group, variant_hash
 from ring_rewrite.roles import role
 
-from ._fx import RoleTracer, emit, stamp, trace_subgraph
-from .find_sdpa import SdpaSite, bind_sdpa, find_sdpa_sites, static_strides, unsupported_reason
+from ._fx import RoleTracer, emit, erase_unused, stamp, trace_subgraph
+from .find_sdpa import SdpaSite, bind_sdpa, dense_mask, find_sdpa_sites, static_strides, unsupported_reason
+from .masks import MaskStructure, key_mask
 from .records import TOUCHED, SiteRecord, leave_alone, records
 
 __all__ = ["NAME", "rewrite_sdpa"]
@@ -88,10 +89,11 @@ def rewrite_sdpa(
         site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
         index = len(sites)
         reason = unsupported_reason(site)
-        plan = note = None
+        plan = note = structure = None
         if reason is None:
+            structure = dense_mask(site)  # a mask read from the graph, or None
             try:
-                plan, note = _plan(site, config, index, group, world, rank)
+                plan, note = _plan(site, structure, config, index, group, world, rank)
             except ValueError as error:
                 reason = str(error)
         if plan is None:
@@ -101,7 +103,7 @@ def rewrite_sdpa(
             )  # fmt: skip
             continue
         passes = (*node.meta.get(TOUCHED, ()), NAME)
-        _rewrite_site(gm, site, plan, index, bodies, config)
+        _rewrite_site(gm, site, structure, plan, index, bodies, config)
         counters["ring_rewrite"]["rewritten"] += 1
         sites.append(
             SiteRecord(index, site.location, "sdpa", site.shapes, reason=note, plan=plan, passes=passes)
@@ -133,13 +135,19 @@ def _agreement_key(record: SiteRecord) -> dict:
     return key
 
 
-def _plan(site, config, index, group, world, rank) -> tuple[SitePlan, str | None]:
+def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan, str | None]:
     """The site's plan, and a note where it is not the ring over every rank: in replicated
     mode, on a padded sequence where the ranks cannot share the length as it is (Note [Padding
     the sequence] in ring_rewrite/attention.py), else whole on every rank (Note [Whole on every
     rank])."""
+    if structure is not None and structure.absolute_keys and config.sharding == "sharded" and world > 1:
+        raise ValueError(
+            f"its mask ({structure.describe()}) reads key positions as numbers, which in sharded "
+            "mode are each rank's local positions"
+        )
+    build = functools.partial(_build, site, structure, config, index)
     try:
-        return _build(site, config, index, group, world, rank, pad=0), None
+        return build(group, world, rank, pad=0), None
     except ValueError as error:
         if config.sharding == "sharded" or world == 1:
             raise
@@ -147,7 +155,7 @@ def _plan(site, config, index, group, world, rank) -> tuple[SitePlan, str | None
         step = world * (2 if config.layout == "zigzag" else 1)
         for padded in range(n + step - n % step, _MAX_PADDING * n + step, step):
             try:
-                return _build(site, config, index, group, world, rank, pad=padded - n), None
+                return build(group, world, rank, pad=padded - n), None
             except ValueError:
                 continue
         note = (
@@ -158,13 +166,13 @@ def _plan(site, config, index, group, world, rank) -> tuple[SitePlan, str | None
             "ring_dilated: SDPA at %s runs %s (the same function; %d times the compute and O(N) "
             "memory per rank)", site.location, note, world,
         )  # fmt: skip
-        return _build(site, config, index, None, 1, 0, pad=0), note
+        return build(None, 1, 0, pad=0), note
 
 
 _MAX_PADDING = 4  # a padded length is at most this multiple of the site's
 
 
-def _build(site, config, index, group, world, rank, *, pad) -> SitePlan:
+def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePlan:
     shapes = site.shapes
     b, hq, n, d = shapes["query"]
     hkv, dv = shapes["key"][1], shapes["value"][3]
@@ -181,8 +189,9 @@ def _build(site, config, index, group, world, rank, *, pad) -> SitePlan:
         dtype=site.meta(site.query).dtype,
         device=site.meta(site.query).device.type,
         scale=d**-0.5 if site.scale is None else float(site.scale),
-        is_causal=bool(site.is_causal),
-        has_mask=site.attn_mask is not None,
+        is_causal=bool(site.is_causal) or (structure is not None and structure.hi == 0),
+        has_mask=site.attn_mask is not None if structure is None else structure.has_keys,
+        band=_band(structure),
         branches=config.branches(n_global),
         world=world,
         rank=rank,
@@ -192,6 +201,17 @@ def _build(site, config, index, group, world, rank, *, pad) -> SitePlan:
         pad=pad,
         dropout=float(site.dropout_p),
     )
+
+
+def _band(structure: MaskStructure | None) -> tuple[int | None, int | None] | None:
+    """The plan's band (Note [Bands] in ring_rewrite/attention.py): what the mask allows of
+    ``t - p`` beyond causal attention, None for nothing."""
+    if structure is None:
+        return None
+    lo, hi = structure.lo, structure.hi
+    if hi == 0:
+        hi = None  # is_causal
+    return None if lo is None and hi is None else (lo, hi)
 
 
 def _key_bias(
@@ -207,15 +227,22 @@ def _key_bias(
 
 
 def _rewrite_site(
-    gm: fx.GraphModule, site: SdpaSite, plan: SitePlan, index: int, bodies: dict,
-    config: RingDilatedConfig,
+    gm: fx.GraphModule, site: SdpaSite, structure: MaskStructure | None, plan: SitePlan,
+    index: int, bodies: dict, config: RingDilatedConfig,
 ) -> None:  # fmt: skip
     graph, node = gm.graph, site.node
     stack = node.meta.get("stack_trace")
     args = [site.query, site.key, site.value]
     names = ["q", "k", "v"]
     with graph.inserting_before(node):
-        if site.attn_mask is not None:
+        if structure is not None and structure.has_keys:
+            # The dense mask's key conjuncts, computed from the tensors it was built from.
+            tracer = RoleTracer(graph, index, stack)
+            with role("mask"):
+                bias = emit(tracer, functools.partial(key_mask, structure, plan.dtype), *structure.data)
+            args.append(bias)
+            names.append("mask")
+        elif structure is None and site.attn_mask is not None:
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):
                 bias = emit(
@@ -245,7 +272,7 @@ def _rewrite_site(
             args.append(seed)
             names.append("seed")
         saved = ["q", "k", "v", "out", "lse", *names[3:]]
-        inputs = [site.query, site.key, site.value, site.attn_mask]
+        inputs = [site.query, site.key, site.value, site.attn_mask if structure is None else None]
         strides = tuple(static_strides(site.meta(x)) for x in inputs)
         fwd, bwd = _bodies(bodies, plan, names, saved, strides, index, stack)
         fwd_name, bwd_name = f"ring_rewrite_fwd_{index}", f"ring_rewrite_bwd_{index}"
@@ -262,6 +289,8 @@ def _rewrite_site(
     call.meta["example_value"] = node.meta.get("example_value")
     node.replace_all_uses_with(call)
     graph.erase_node(node)
+    if structure is not None:
+        erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,18 @@ every real position, and with it every segment and lattice of SPEC §2, stays wh
 padded keys get a ``-inf`` bias (none is needed with ``is_causal``: they come after every real
 query), padded queries' rows are dropped from the output, and the gradients of the padding
 are dropped in the backward. The same function, exactly, at the cost of ``N' - N`` more tokens.
+
+Note [Bands]
+~~~~~~~~~~~~
+A mask read from the graph (``passes/masks.py``) may restrict ``t - p`` to a band ``[lo, hi]``
+(a sliding window: ``lo = 1 - W`` with ``is_causal``). Within a branch a query and its keys
+share a segment and a lattice offset, so ``t - p`` of a block's rows is the difference of their
+positions without the offset: ``start of the part + row * r``. Each block is classified from
+those numbers while the site is traced: all its pairs inside the band (the call is as without
+one), none (skipped, as causal attention skips blocks above the diagonal; never the transfer),
+or some: then the call gets ``band`` and the rows' positions, and the block op masks the band
+in chunks of query rows (``ops.BAND_CHUNK`` scores each), so nothing of size (queries x keys)
+is ever held. Memory stays O(N/P); a window shorter than the shards skips most ring blocks.
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ from .kernels import block_kernel
 from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
-from .ops import stat_dtype
+from .ops import BAND_OPEN, stat_dtype
 from .p2p import DKV, KV, KV_BACK, Ring, Rotater, global_ranks
 from .roles import role
 from .schedule import Block, BranchPlan, plan_branch, shard_parts
@@ -100,12 +112,15 @@ class SitePlan:
     ranks: tuple[int, ...] = (0,)
     """The global rank of each rank of the group (``ranks[rank]`` is this process): what the
     report names. Rings and transfers speak group ranks (Note [Group ranks] in ``p2p.py``)."""
+    band: tuple[int | None, int | None] | None = None
+    """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
+    top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands])."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0,
+        pad=0, dropout=0.0, band=None,
     ):  # fmt: skip
         pieces = world * shard_parts(layout)
         if world > 1 and n % pieces:
@@ -123,7 +138,7 @@ class SitePlan:
         ranks = global_ranks(group_name) if group_name else tuple(range(world))
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
-            world, rank, group_name, sharding, layout, plans, pad, dropout, ranks,
+            world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band,
         )  # fmt: skip
 
     @property
@@ -278,6 +293,48 @@ def _acc(plan: SitePlan, total, x):
     return x if total is None else total.to(acc) + x.to(acc)
 
 
+def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> list[int]:
+    """Position of the first row of each part a block of ``branch`` reads: this rank's parts
+    (``step`` None) or those of the K/V held at ``step``. Global for a ring; for a local branch
+    within the segment (only differences of positions matter, Note [Bands])."""
+    if branch.is_local:
+        return [0]
+    rank = plan.rank if step is None else branch.ring[(branch.position - step) % len(branch.ring)]
+    parts = shard_parts(plan.layout)
+    size = plan.n_local // parts
+    if parts == 1:
+        return [rank * size]
+    return [rank * size, (2 * plan.world - 1 - rank) * size]
+
+
+def _band_args(plan: SitePlan, branch: BranchPlan, blk: Block, step: int | None, like: torch.Tensor):
+    """The band arguments of one block call (Note [Bands]): ``{}`` when the band masks none of
+    its pairs, None when it masks all of them (the block is skipped), else ``band``, ``qpos``
+    and ``kpos``."""
+    if plan.band is None:
+        return {}
+    lo, hi = plan.band
+    m, r = branch.layout.m, branch.layout.r
+    qs = _starts(plan, branch, None)[blk.q0 : blk.q1]
+    ks = _starts(plan, branch, 0 if step is None else step)[blk.k0 : blk.k1]
+    d_min = min(ks) - max(qs) - (m - 1) * r
+    d_max = max(ks) + (m - 1) * r - min(qs)
+    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi):
+        return {}
+    skip = (lo is not None and d_max < lo) or (hi is not None and d_min > hi)
+    if skip and (lo is None or lo <= 0) and (hi is None or hi >= 0):
+        # NOTE: skipped only where the band holds the diagonal: then every part keeps the block
+        # of its own diagonal and has rows to merge.
+        return None
+
+    def positions(starts):
+        rows = torch.arange(m, device=like.device) * r
+        return torch.cat([rows + s for s in starts]) if len(starts) > 1 else rows + starts[0]
+
+    band = [BAND_OPEN if x is None else x for x in (lo, hi)]
+    return {"band": band, "qpos": positions(qs), "kpos": positions(ks)}
+
+
 # ---- forward -------------------------------------------------------------------------------
 
 
@@ -328,6 +385,9 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed)
         computed = []
         held, held_bias = _held(kv)
         for j, blk in enumerate(blocks):
+            band = _band_args(plan, branch, blk, step, qd)
+            if band is None:
+                continue
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
                     _rows(qd, layout, blk.q0, blk.q1, hq),
@@ -336,6 +396,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed)
                     plan.scale,
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
+                    **band,
                 )
             computed += [out, lse]
             with role("merge", branch=i, step=step):
@@ -381,9 +442,11 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None, seed=None):
             kd, vd = _dilate(plan, layout, kl, vl, kv=True, upcast=branch.is_local)
             bias = _branch_bias(plan, branch, ql, ml)
         if branch.is_local:
+            ((blk,),) = branch.steps
             with role("attention", branch=i):
                 od, lsed = torch.ops.ring_rewrite.block_attention(
-                    qd, kd, vd, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i)
+                    qd, kd, vd, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
+                    **_band_args(plan, branch, blk, None, qd),
                 )
         else:
             ring = _ring(rotater, i, branch)
@@ -467,6 +530,9 @@ def _ring_backward_chunk(
         computed = []
         held, held_bias = _held(kv)
         for j, blk in enumerate(blocks):
+            band = _band_args(plan, branch, blk, step, qd)
+            if band is None:
+                continue
             with role("attention_backward", branch=i, step=step):
                 dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
                     _rows(dod, layout, blk.q0, blk.q1, hq),
@@ -478,6 +544,7 @@ def _ring_backward_chunk(
                     plan.scale,
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
+                    **band,
                 )
             computed += [dq, dk, dv]
             with role("merge", branch=i, step=step):
@@ -544,9 +611,11 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
             bias = _branch_bias(plan, branch, ql, ml)
             lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
         if branch.is_local:
+            ((blk,),) = branch.steps
             with role("attention_backward", branch=i):
                 dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
-                    dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i)
+                    dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
+                    **_band_args(plan, branch, blk, None, qd),
                 )
         else:
             dqd, dkd, dvd = _ring_backward(

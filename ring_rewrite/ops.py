@@ -15,6 +15,11 @@ block])`` is the fused
 attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the softmax over every
 block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
+
+With ``band = [lo, hi]`` (``BAND_OPEN`` for an open end) and the rows' positions ``qpos (L,)``,
+``kpos (S,)``, both ops let key ``t`` reach query ``p`` only if ``lo <= kpos[t] - qpos[p] <= hi``
+(and ``t <= p`` when causal): the mask is built per chunk of query rows, at most ``BAND_CHUNK``
+scores at a time (Note [Bands] in ``attention.py``).
 """
 
 from __future__ import annotations
@@ -47,18 +52,7 @@ def _empty_rows(bias: torch.Tensor, lse_shape: torch.Size, is_causal: bool) -> t
     return ~any_live.expand(lse_shape)
 
 
-@torch.library.custom_op("ring_rewrite::block_attention", mutates_args=())
-def block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-    is_causal: bool,
-    dropout_p: float = 0.0,
-    seed: torch.Tensor | None = None,
-    block: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block):
     if dropout_p:
         out, lse = dropout_forward(q, k, v, bias, scale, is_causal, dropout_p, seed, block)
     else:
@@ -70,8 +64,69 @@ def block_attention(
     return out, lse
 
 
+BAND_CHUNK = 1 << 22
+"""Scores per chunk of query rows when a band is applied (Note [Bands in blocks])."""
+
+
+def _band_chunks(q, k, bias, is_causal, band, qpos, kpos):
+    """Query rows ``[r0, r1)`` of each chunk and the chunk's additive bias ``(B|1, H|1, rows,
+    S)``: the key bias plus ``-inf`` outside the band (and above the diagonal when causal)."""
+    lo, hi = band
+    if is_causal:
+        hi = 0 if hi is None else min(hi, 0)
+    rows = max(1, BAND_CHUNK // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
+    dtype = q.dtype if bias is None else bias.dtype
+    for r0 in range(0, q.shape[2], rows):
+        r1 = min(r0 + rows, q.shape[2])
+        d = kpos.view(1, -1) - qpos[r0:r1].view(-1, 1)
+        allowed = torch.ones_like(d, dtype=torch.bool)
+        if lo is not None:
+            allowed &= d >= lo
+        if hi is not None:
+            allowed &= d <= hi
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+        yield r0, r1, mask.view(1, 1, r1 - r0, -1) if bias is None else bias + mask
+
+
+@torch.library.custom_op("ring_rewrite::block_attention", mutates_args=())
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+    block: list[int] | None = None,
+    band: list[int] | None = None,
+    qpos: torch.Tensor | None = None,
+    kpos: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if band is None:
+        return _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block)
+    outs, lses = [], []
+    for c, (r0, r1, chunk_bias) in enumerate(_band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos)):
+        chunk_block = None if block is None else [*block, c]
+        out, lse = _attend(q[:, :, r0:r1], k, v, chunk_bias, scale, False, dropout_p, seed, chunk_block)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _band(band: list[int]) -> tuple[int | None, int | None]:
+    """The op's ``band`` argument ``[lo, hi]`` (``BAND_OPEN`` for an open end) as ``(lo, hi)``."""
+    return tuple(None if x == BAND_OPEN else x for x in band)
+
+
+BAND_OPEN = -(1 << 62)
+"""An open end of a band in the ops' ``band`` argument (a list of ints has no None)."""
+
+
 @block_attention.register_fake
-def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None):
+def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=stat_dtype(q.dtype))
     return out, lse
@@ -91,17 +146,37 @@ def block_attention_backward(
     dropout_p: float = 0.0,
     seed: torch.Tensor | None = None,
     block: list[int] | None = None,
+    band: list[int] | None = None,
+    qpos: torch.Tensor | None = None,
+    kpos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    if band is None:
+        return _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block)
+    dqs, dk, dv = [], None, None
+    acc = stat_dtype(q.dtype)
+    for c, (r0, r1, chunk_bias) in enumerate(_band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos)):
+        rows = slice(r0, r1)
+        chunk_block = None if block is None else [*block, c]
+        dq_c, dk_c, dv_c = _attend_backward(
+            dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows], chunk_bias,
+            scale, False, dropout_p, seed, chunk_block,
+        )  # fmt: skip
+        dqs.append(dq_c)
+        dk = dk_c.to(acc) if dk is None else dk + dk_c
+        dv = dv_c.to(acc) if dv is None else dv + dv_c
+    return torch.cat(dqs, 2), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block):
     if dropout_p:
-        drop = (dropout_p, seed, block)
-        return dropout_backward(dout, q, k, v, out, lse, bias, scale, is_causal, *drop)
+        return dropout_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block)
     return block_kernel(q.device).backward(dout, q, k, v, out, lse, bias, scale, is_causal)
 
 
 @block_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None):
+def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

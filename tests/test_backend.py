@@ -231,7 +231,7 @@ def test_sites_named_by_layer_and_line():
 
 def test_errors_through_a_backend_object_name_the_backend():
     backend = ring_rewrite.backend(strict=True, compiler="eager")
-    dense = lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(32, 32))  # noqa: E731
+    dense = lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.rand(32, 32))  # noqa: E731
     with pytest.raises(Exception) as info:
         torch.compile(dense, backend=backend)(qkv()[0])
     message = str(info.value)

@@ -1,0 +1,615 @@
+"""Read the structure of a dense attention mask from the graph that builds it (SPEC §2, masks).
+
+Models hand SDPA an ``(B|1, H|1, N, N)`` mask that they build in the captured graph from
+position comparisons and a padding vector (transformers 5.x, for every call with an
+``attention_mask`` or ``use_cache=False``)::
+
+    q_idx = arange(N)[None, None, :, None]; kv_idx = arange(N)[None, None, None, :]
+    b_idx = arange(B)[:, None, None, None]
+    mask = ones((), bool) & (kv_idx <= q_idx) & (kv_idx > q_idx - W) & padding[b_idx, kv_idx]
+    mask = mask.expand(B, -1, N, N)
+
+At ``N`` = 512k such a mask would be 256 GB, so it is read, never built. ``mask_structure``
+evaluates the construction symbolically: each tensor on the way is an expression of its own
+indices (``Dim(i)``), built from constants, ``arange`` (affine in its index), opaque tensors
+read at index expressions (``Data``: a padding vector, or any tensor the interpreter does not
+follow) and pointwise operations; views, ``expand``, indexing and broadcasting only rename the
+indices. The mask's expression, over ``(b, h, p, t)``, is then cut into its conjuncts:
+
+* one that does not read the query position ``p``: a **key mask** ``(B|1, H|1, 1, N)``, computed
+  in the graph from the same tensors (O(B N); ``key_mask``);
+* a comparison of ``t - p`` with a constant: a **band** ``lo <= t - p <= hi``: ``hi = 0`` is
+  causal, ``lo = 1 - W`` a window of ``W`` (SPEC §2);
+* anything else (a query-side mask, ``or`` across positions, a tensor indexed by both
+  positions): the mask is not structured, and the reason says what was found.
+
+A float mask is read as ``where(allowed, 0, -inf)`` terms plus any additive key bias. Nothing
+is guessed: what the interpreter cannot prove is an opaque tensor, and an opaque tensor that
+depends on both positions leaves the site alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guard_int
+
+__all__ = ["MaskStructure", "mask_structure", "key_mask"]
+
+
+# ---- expressions ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Dim:
+    """The index along dim ``i`` of the tensor an expression describes."""
+
+    i: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """A pointwise operation (``_POINTWISE``'s names, ``where``, ``not``, ``neg``, ``bool``)."""
+
+    name: str
+    args: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """The value of the graph tensor ``node`` at the index expressions ``index``."""
+
+    node: fx.Node
+    index: tuple
+
+
+class NotStructured(Exception):
+    """The mask's construction cannot be read; the message says why."""
+
+
+def _subst(e, dims: dict[int, Any]):
+    """``e`` with each ``Dim(i)`` replaced by ``dims[i]``."""
+    if isinstance(e, Dim):
+        return dims[e.i]
+    if isinstance(e, Op):
+        return Op(e.name, tuple(_subst(a, dims) for a in e.args))
+    if isinstance(e, Data):
+        return Data(e.node, tuple(_subst(a, dims) for a in e.index))
+    return e
+
+
+def _dims(e) -> set[int]:
+    if isinstance(e, Dim):
+        return {e.i}
+    if isinstance(e, Op):
+        return set().union(*(_dims(a) for a in e.args))
+    if isinstance(e, Data):
+        return set().union(*(_dims(a) for a in e.index))
+    return set()
+
+
+def _free_dims(e) -> set[int]:
+    """Dims read as positions, outside any tensor's index."""
+    if isinstance(e, Dim):
+        return {e.i}
+    if isinstance(e, Op):
+        return set().union(*(_free_dims(a) for a in e.args))
+    return set()
+
+
+def _data(e) -> list[fx.Node]:
+    if isinstance(e, Op):
+        return [n for a in e.args for n in _data(a)]
+    if isinstance(e, Data):
+        return [e.node, *(n for a in e.index for n in _data(a))]
+    return []
+
+
+# ---- reading the graph ------------------------------------------------------------------------
+
+_POINTWISE = {
+    "add": (operator.add, torch.add, "add", "__add__", "__radd__"),
+    "sub": (operator.sub, torch.sub, "sub", "__sub__"),
+    "mul": (operator.mul, torch.mul, "mul", "__mul__", "__rmul__"),
+    "le": (operator.le, torch.le, "le", "__le__"),
+    "lt": (operator.lt, torch.lt, "lt", "__lt__"),
+    "ge": (operator.ge, torch.ge, "ge", "__ge__"),
+    "gt": (operator.gt, torch.gt, "gt", "__gt__"),
+    "eq": (operator.eq, torch.eq, "eq", "__eq__"),
+    "ne": (operator.ne, torch.ne, "ne", "__ne__"),
+    "and": (operator.and_, torch.logical_and, torch.bitwise_and, "logical_and", "bitwise_and", "__and__"),
+    "or": (operator.or_, torch.logical_or, torch.bitwise_or, "logical_or", "bitwise_or", "__or__"),
+}
+_NAMES = {target: name for name, targets in _POINTWISE.items() for target in targets}
+_NOT = (operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__")
+_NEG = (operator.neg, torch.neg, "neg", "__neg__")
+_SAME = ("contiguous", "clone", "detach")  # methods that keep the value
+_CASTS = {"bool": torch.bool, "float": torch.float32, "long": torch.int64, "int": torch.int32}
+
+
+def _value(node) -> torch.Tensor | None:
+    v = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _shape(node) -> tuple[int, ...]:
+    v = _value(node)
+    if v is None:
+        raise NotStructured(f"{node} has no example value")
+    # NOTE: a symbolic size is specialised (guarded), as the site's own shapes are.
+    return tuple(guard_int(s) if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
+
+
+class _Reader:
+    """The expression of each node that builds the mask, memoised."""
+
+    def __init__(self) -> None:
+        self.memo: dict[fx.Node, Any] = {}
+
+    def expr(self, x) -> Any:
+        """The expression of an argument: a node's, or a Python scalar's."""
+        if isinstance(x, fx.Node):
+            if x not in self.memo:
+                self.memo[x] = self._read(x)
+            return self.memo[x]
+        if isinstance(x, (bool, int, float)):
+            return Const(x)
+        raise NotStructured(f"argument {x!r}")
+
+    def operand(self, x, shape: tuple[int, ...]):
+        """``x`` broadcast to ``shape``: its dims renamed to the result's, size-1 dims at 0."""
+        e = self.expr(x)
+        if not isinstance(x, fx.Node):
+            return e
+        own = _shape(x)
+        lead = len(shape) - len(own)
+        return _subst(e, {i: Const(0) if s == 1 else Dim(i + lead) for i, s in enumerate(own)})
+
+    def _read(self, node: fx.Node):
+        try:
+            return self._follow(node)
+        except NotStructured:
+            raise
+        except Exception:  # anything the interpreter does not follow is an opaque tensor
+            pass
+        return self._opaque(node)
+
+    def _opaque(self, node: fx.Node):
+        if _value(node) is None:
+            raise NotStructured(f"{node} is no tensor")
+        return Data(node, tuple(Dim(i) for i in range(len(_shape(node)))))
+
+    def _follow(self, node: fx.Node):
+        if node.op not in ("call_function", "call_method"):
+            return self._opaque(node)
+        target, args, kwargs = node.target, node.args, node.kwargs
+        shape = _shape(node)
+        if target in _NAMES:
+            return Op(_NAMES[target], tuple(self.operand(a, shape) for a in args[:2]))
+        if target in _NOT or target in _NEG:
+            return Op("not" if target in _NOT else "neg", (self.operand(args[0], shape),))
+        if target is torch.where and len(args) == 3:
+            return Op("where", tuple(self.operand(a, shape) for a in args))
+        if target == "masked_fill":
+            x, cond, value = args
+            return Op("where", (self.operand(cond, shape), self.operand(value, shape), self.operand(x, shape)))
+        if target is torch.arange:
+            return _arange(args, kwargs)
+        if target in ("new_ones", "new_zeros", "new_full") or target in (torch.ones, torch.zeros, torch.full):
+            return Const(_fill(target, args))
+        if target in _SAME:
+            return self.expr(args[0])
+        if target in _CASTS or target in ("to", "type"):
+            dtype = _CASTS.get(target) or _dtype_arg(args[1:], kwargs)
+            return self._cast(args[0], dtype)
+        if target in ("unsqueeze", torch.unsqueeze):
+            return self._unsqueeze(args[0], args[1] if len(args) > 1 else kwargs["dim"])
+        if target in ("expand", "expand_as", "view", "reshape", torch.reshape, torch.broadcast_to):
+            return self._reshape(args[0], shape)
+        if target in ("transpose", torch.transpose):
+            a, b = (d % len(shape) for d in args[1:3])
+            perm = list(range(len(shape)))
+            perm[a], perm[b] = perm[b], perm[a]
+            return _subst(self.expr(args[0]), {perm[i]: Dim(i) for i in range(len(shape))})
+        if target in ("permute", torch.permute):
+            perm = args[1] if isinstance(args[1], (list, tuple)) else args[1:]
+            return _subst(self.expr(args[0]), {p % len(shape): Dim(i) for i, p in enumerate(perm)})
+        if target in ("tril", "triu", torch.tril, torch.triu):
+            diagonal = args[1] if len(args) > 1 else kwargs.get("diagonal", 0)
+            x = self.expr(args[0])
+            j, i = Op("sub", (Dim(len(shape) - 1), Dim(len(shape) - 2))), Const(diagonal)
+            keep = Op("le", (j, i)) if target in ("tril", torch.tril) else Op("ge", (j, i))
+            return Op("where", (keep, x, Const(False if _value(node).dtype == torch.bool else 0)))
+        if target is operator.getitem:
+            return self._getitem(args[0], args[1], shape)
+        return self._opaque(node)
+
+    def _cast(self, x, dtype):
+        e = self.expr(x)
+        source = _value(x).dtype if isinstance(x, fx.Node) else None
+        if dtype == torch.bool and source is not None and source != torch.bool:
+            return Op("ne", (e, Const(0)))
+        if dtype is not None and dtype.is_floating_point and source == torch.bool:
+            return Op("where", (e, Const(1.0), Const(0.0)))
+        return e
+
+    def _unsqueeze(self, x, dim: int):
+        n = len(_shape(x)) + 1
+        dim %= n
+        return _subst(self.expr(x), {i: Dim(i + (i >= dim)) for i in range(n - 1)})
+
+    def _reshape(self, x, shape: tuple[int, ...]):
+        """A view or expand that only adds, drops or broadcasts size-1 dims."""
+        own = _shape(x)
+        if own == shape:
+            return self.expr(x)
+        kept = [s for s in own if s != 1]
+        if [s for s in shape if s != 1] == kept:  # size-1 dims come and go
+            big = [i for i, s in enumerate(shape) if s != 1]
+            mine = [i for i, s in enumerate(own) if s != 1]
+            dims = {i: Const(0) for i, s in enumerate(own) if s == 1}
+            dims.update({m: Dim(b) for m, b in zip(mine, big)})
+            return _subst(self.expr(x), dims)
+        if len(shape) >= len(own) and all(s in (1, t) for s, t in zip(own, shape[len(shape) - len(own):])):
+            return self.operand(x, shape)  # expand: broadcasting
+        raise ValueError("a reshape that moves data")
+
+    def _getitem(self, x, index, shape: tuple[int, ...]):
+        if not isinstance(index, tuple):
+            index = (index,)
+        own = _shape(x)
+        if any(isinstance(i, fx.Node) for i in index):
+            return self._advanced(x, index, own, shape)
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            rest = len(own) - sum(1 for i in index if i is not None and i is not Ellipsis)
+            index = index[:at] + (slice(None),) * rest + index[at + 1:]
+        dims, out = {}, 0
+        source = 0
+        for i in index:
+            if i is None:
+                out += 1
+            elif isinstance(i, int):
+                dims[source] = Const(i % own[source])
+                source += 1
+            elif isinstance(i, slice):
+                start, _, step = i.indices(own[source])
+                dims[source] = Op("add", (Op("mul", (Dim(out), Const(step))), Const(start)))
+                source, out = source + 1, out + 1
+            else:
+                raise ValueError(f"index {i!r}")
+        for rest in range(source, len(own)):
+            dims[rest] = Dim(out + rest - source)
+        return _subst(self.expr(x), dims)
+
+    def _advanced(self, x, index, own, shape):
+        """``x[i0, i1, ...]`` with tensor indices on its leading dims (broadcast together), and
+        whole slices after them."""
+        tensors = [i for i in index if isinstance(i, fx.Node)]
+        if index[: len(tensors)] != tuple(tensors) or any(i != slice(None) for i in index[len(tensors):]):
+            raise ValueError("tensor indices after other indices")
+        lead = max(len(_shape(t)) for t in tensors)
+        idx_shape = shape[:lead]
+        dims = {d: self.operand(t, idx_shape) for d, t in enumerate(tensors)}
+        dims.update({d: Dim(lead + d - len(tensors)) for d in range(len(tensors), len(own))})
+        return _subst(self.expr(x), dims)
+
+
+def _int(x):
+    """An int argument; a symbolic size is specialised (guarded) to its value, as the site's
+    shapes are."""
+    v = x.meta.get("example_value") if isinstance(x, fx.Node) else x
+    if isinstance(v, torch.SymInt):
+        return guard_int(v)
+    if isinstance(v, int):
+        return v
+    raise NotStructured("arange with bounds computed at run time")
+
+
+def _arange(args, kwargs):
+    args = [_int(a) for a in args if not isinstance(a, torch.dtype)]
+    kwargs = {k: _int(v) for k, v in kwargs.items() if k in ("start", "end", "step")}
+    start = args[0] if len(args) >= 2 else kwargs.get("start", 0)
+    step = args[2] if len(args) >= 3 else kwargs.get("step", 1)
+    return Op("add", (Op("mul", (Dim(0), Const(step))), Const(start)))
+
+
+def _fill(target, args):
+    if target in ("new_ones", torch.ones):
+        return 1
+    if target in ("new_zeros", torch.zeros):
+        return 0
+    return args[-1]
+
+
+def _dtype_arg(args, kwargs):
+    if "dtype" in kwargs:
+        return kwargs["dtype"]
+    return next((a for a in args if isinstance(a, torch.dtype)), None)
+
+
+# ---- the structure ----------------------------------------------------------------------------
+
+_B, _H, _P, _T = range(4)
+_NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskStructure:
+    """What a dense mask allows: key ``t`` for query ``p`` iff ``lo <= t - p <= hi`` (None:
+    unbounded) and every key conjunct allows ``(b, h, t)``; plus additive key biases."""
+
+    lo: int | None
+    hi: int | None
+    keys: tuple = ()
+    """Bool expressions over ``(b, h, t)`` (dims 0, 1, 3)."""
+    biases: tuple = ()
+    """Float expressions over ``(b, h, t)``, added to the scores."""
+    shape: tuple[int, ...] = ()
+    """The mask's shape, as 4-D ``(B|1, H|1, N, N)``."""
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.keys or self.biases)
+
+    @property
+    def data(self) -> list[fx.Node]:
+        """The graph tensors the key mask reads, in order, once each."""
+        return list(dict.fromkeys(n for e in (*self.keys, *self.biases) for n in _data(e)))
+
+    @property
+    def absolute_keys(self) -> bool:
+        """Whether a key conjunct reads the key's position as a number (not as an index into a
+        tensor): in sharded mode that would be the local position."""
+        return any(_T in _free_dims(e) for e in (*self.keys, *self.biases))
+
+    def describe(self) -> str:
+        parts = []
+        if self.hi == 0:
+            parts.append("causal")
+        elif self.hi is not None:
+            parts.append(f"t - p <= {self.hi}")
+        if self.lo is not None:
+            parts.append(f"window {1 - self.lo}" if self.hi == 0 else f"t - p >= {self.lo}")
+        if self.has_keys:
+            parts.append("key mask")
+        return ", ".join(parts) or "all keys"
+
+
+def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
+    """The structure of ``mask`` (an SDPA ``attn_mask`` of ``n`` queries and keys), or the
+    reason it has none."""
+    try:
+        shape = _shape(mask)
+        if len(shape) < 2 or shape[-1] != n or shape[-2] not in (1, n):
+            return f"attn_mask of shape {shape} for {n} queries and keys"
+        full = (1,) * (4 - len(shape)) + shape
+        reader = _Reader()
+        e = reader.operand(mask, full)
+        if _value(mask).dtype == torch.bool:
+            keys, biases = [], []
+            band = _conjuncts(e, keys)
+        else:
+            keys, biases = [], []
+            band = _additive(e, keys, biases)
+    except NotStructured as error:
+        return f"dense attn_mask whose structure cannot be read ({error})"
+    if band is None:
+        return f"dense attn_mask of shape {shape} that depends on query and key positions in a way that is not a band"
+    lo, hi = band
+    if lo is not None and hi is not None and lo > hi:
+        return f"dense attn_mask that allows no key ({lo} <= t - p <= {hi})"
+    return MaskStructure(lo, hi, tuple(keys), tuple(biases), full)
+
+
+def _additive(e, keys: list, biases: list):
+    """A float mask: a sum of ``where(allowed, x, -inf)`` terms (``masked_fill(~allowed, -inf)``
+    alike) and key biases; returns the band (or None)."""
+    band: tuple = (None, None)
+    terms = _terms(e)
+    while terms:
+        term = terms.pop()
+        if _is(term, 0):
+            continue
+        if _P not in _dims(term):
+            biases.append(term)
+            continue
+        if not (isinstance(term, Op) and term.name == "where"):
+            return None
+        cond, yes, no = term.args
+        if _is(no, _NEG_INF):
+            allowed, rest = cond, yes
+        elif _is(yes, _NEG_INF):
+            allowed, rest = Op("not", (cond,)), no
+        else:
+            return None
+        got = _conjuncts(allowed, keys)
+        if got is None:
+            return None
+        band = _meet(band, got)
+        terms += _terms(rest)  # where the condition allows, the rest adds
+    return band
+
+
+def _terms(e) -> list:
+    if isinstance(e, Op) and e.name == "add":
+        return [t for a in e.args for t in _terms(a)]
+    return [e]
+
+
+def _is(e, value) -> bool:
+    return isinstance(e, Const) and e.value == value
+
+
+def _conjuncts(e, keys: list):
+    """Split a bool expression into key conjuncts (appended to ``keys``) and a band; None where
+    a conjunct reads the query position otherwise."""
+    band: tuple = (None, None)
+    for c in _and_terms(e):
+        if isinstance(c, Const):
+            if bool(c.value):
+                continue
+            return None  # nothing allowed
+        if _P not in _dims(c):
+            keys.append(c)
+            continue
+        got = _relative(c)
+        if got is None:
+            return None
+        band = _meet(band, got)
+    return band
+
+
+def _and_terms(e) -> list:
+    if isinstance(e, Op) and e.name == "and":
+        return [t for a in e.args for t in _and_terms(a)]
+    if isinstance(e, Op) and e.name == "not":
+        (a,) = e.args
+        if isinstance(a, Op) and a.name == "or":  # De Morgan
+            return [t for x in a.args for t in _and_terms(Op("not", (x,)))]
+        if isinstance(a, Op) and a.name in _FLIP:
+            return [Op(_FLIP[a.name], a.args)]
+        if isinstance(a, Op) and a.name == "not":
+            return _and_terms(a.args[0])
+    if isinstance(e, Op) and e.name == "ne" and isinstance(e.args[1], Const) and e.args[1].value == 0:
+        inner = e.args[0]  # bool(x) of a bool expression
+        if isinstance(inner, Op) and inner.name in (*_FLIP, "and", "or", "not"):
+            return _and_terms(inner)
+    if isinstance(e, Op) and e.name == "where" and _is(e.args[2], False) and _is(e.args[1], True):
+        return _and_terms(e.args[0])
+    if isinstance(e, Op) and e.name == "where" and _is(e.args[2], False):
+        return _and_terms(e.args[0]) + _and_terms(e.args[1])  # tril / triu of a mask
+    return [e]
+
+
+_FLIP = {"le": "gt", "lt": "ge", "ge": "lt", "gt": "le", "eq": "ne", "ne": "eq"}
+
+
+def _meet(a: tuple, b: tuple) -> tuple:
+    lo = max((x for x in (a[0], b[0]) if x is not None), default=None)
+    hi = min((x for x in (a[1], b[1]) if x is not None), default=None)
+    return lo, hi
+
+
+def _linear(e) -> dict | None:
+    """``e`` as ``{dim: coefficient, None: constant}`` if it is affine in dims, else None."""
+    if isinstance(e, Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool):
+        return {None: e.value}
+    if isinstance(e, Dim):
+        return {e.i: 1}
+    if not isinstance(e, Op):
+        return None
+    if e.name in ("add", "sub"):
+        a, b = (_linear(x) for x in e.args)
+        if a is None or b is None:
+            return None
+        sign = 1 if e.name == "add" else -1
+        return {k: a.get(k, 0) + sign * b.get(k, 0) for k in a.keys() | b.keys()}
+    if e.name == "mul":
+        a, b = (_linear(x) for x in e.args)
+        if a is None or b is None:
+            return None
+        if set(b) == {None}:
+            a, b = b, a
+        if set(a) != {None}:
+            return None  # a product of positions
+        return {k: a[None] * v for k, v in b.items()}
+    if e.name == "neg":
+        a = _linear(e.args[0])
+        return None if a is None else {k: -v for k, v in a.items()}
+    return None
+
+
+def _relative(c) -> tuple | None:
+    """A comparison ``a (t - p) + c0 <op> 0`` as the band ``(lo, hi)`` of ``t - p``, or None."""
+    if not (isinstance(c, Op) and c.name in ("le", "lt", "ge", "gt", "eq")):
+        return None
+    lhs, rhs = (_linear(x) for x in c.args)
+    if lhs is None or rhs is None:
+        return None
+    diff = {k: lhs.get(k, 0) - rhs.get(k, 0) for k in lhs.keys() | rhs.keys()}
+    a, c0 = diff.get(_T, 0), diff.get(None, 0)
+    if a == 0 or diff.get(_P, 0) != -a or any(v for k, v in diff.items() if k not in (_T, _P, None)):
+        return None
+    # a * d + c0 <op> 0 with d = t - p, an integer.
+    bound = -c0 / a
+    name = c.name if a > 0 else {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq"}[c.name]
+    if name == "le":
+        return None, math.floor(bound)
+    if name == "lt":
+        return None, math.ceil(bound) - 1
+    if name == "ge":
+        return math.ceil(bound), None
+    if name == "gt":
+        return math.floor(bound) + 1, None
+    if bound != int(bound):
+        return 1, 0  # no integer d: nothing allowed
+    return int(bound), int(bound)
+
+
+# ---- the key mask, in the graph ---------------------------------------------------------------
+
+
+def key_mask(structure: MaskStructure, dtype: torch.dtype, *data: torch.Tensor) -> torch.Tensor:
+    """The key conjuncts and biases as an additive bias ``(B|1, H|1, N)`` in ``dtype`` (0 or
+    ``-inf`` where a conjunct masks, plus the biases); ``data`` are the tensors
+    ``structure.data`` names, in order (proxies while the rewrite traces this)."""
+    b, h, _, n = structure.shape
+    tensors = dict(zip(structure.data, data))
+    device = data[0].device if data else None
+    index = {
+        _B: torch.arange(b, device=device).view(b, 1, 1, 1),
+        _H: torch.arange(h, device=device).view(1, h, 1, 1),
+        _P: 0,
+        _T: torch.arange(n, device=device).view(1, 1, 1, n),
+    }
+    bias = torch.zeros(1, 1, 1, n, dtype=dtype, device=device)
+    for e in structure.keys:
+        bias = bias.masked_fill(~_evaluate(e, index, tensors).to(torch.bool), _NEG_INF)
+    for e in structure.biases:
+        bias = bias + _evaluate(e, index, tensors)
+    lead = (b if _B in _uses(structure) else 1, h if _H in _uses(structure) else 1)
+    return bias.expand(*lead, 1, n).reshape(*lead, n)
+
+
+def _uses(structure: MaskStructure) -> set[int]:
+    return set().union(*(_dims(e) for e in (*structure.keys, *structure.biases)))
+
+
+_EVAL = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "le": operator.le,
+    "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne,
+    "and": operator.and_, "or": operator.or_,
+}  # fmt: skip
+
+
+def _evaluate(e, index: dict, tensors: dict):
+    if isinstance(e, Dim):
+        return index[e.i]
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, Data):
+        return tensors[e.node][tuple(_evaluate(i, index, tensors) for i in e.index)]
+    args = [_evaluate(a, index, tensors) for a in e.args]
+    if e.name in _EVAL:
+        return _EVAL[e.name](*args)
+    if e.name == "not":
+        return ~args[0] if isinstance(args[0], torch.Tensor) else not args[0]
+    if e.name == "neg":
+        return -args[0]
+    if e.name == "where":
+        cond, yes, no = args
+        if isinstance(cond, bool):
+            return yes if cond else no
+        return torch.where(cond, yes, no)
+    raise AssertionError(e.name)

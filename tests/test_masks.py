@@ -1,0 +1,213 @@
+"""Dense masks read from the graph that builds them (passes/masks.py, SPEC §2 masks): which
+structure each construction has, that the dense construction is gone, and the numerics at
+P = 1, 2, 4 against the float64 reference given the same dense mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import rel_err
+from ranks import run_ranks
+from ring_rewrite.testing import assert_left_alone, assert_rewritten, capture
+
+BOUND = 1e-5
+W = 6  # window
+
+
+# ---- constructions, each as models write them ---------------------------------------------------
+# Each takes the site's q and a key-padding vector (B, N) (the rank's keys in sharded mode) and
+# returns the mask SDPA gets; positions are the rank's own (sharded mode reads them as global).
+
+
+def hf_causal(q, pad):
+    """transformers 5.x (sdpa_mask): index vectors, an and of mask functions, advanced indexing."""
+    b, n = q.shape[0], q.shape[2]
+    batch = torch.arange(b)[:, None, None, None]
+    q_idx = (torch.arange(n) + 0)[None, None, :, None]
+    kv_idx = (torch.arange(n) + 0)[None, None, None, :]
+    mask = q_idx.new_ones((), dtype=torch.bool) & (kv_idx <= q_idx).to(q.device)
+    mask = mask & pad.to(torch.bool)[batch, kv_idx]
+    return mask.expand(b, -1, n, n)
+
+
+def hf_window(q, pad):
+    """transformers' sliding window overlay: ``kv_idx > q_idx - W`` and causal, and padding."""
+    n = q.shape[2]
+    i = torch.arange(n)
+    q_idx, kv_idx = i[None, None, :, None], i[None, None, None, :]
+    return (kv_idx <= q_idx) & (kv_idx > q_idx - W) & pad[:, None, None, :]
+
+
+def tril_float(q, pad):
+    """A hand-written additive causal mask (tril of ones) with padding: 0 or -inf."""
+    n = q.shape[2]
+    keep = torch.ones(n, n, dtype=torch.bool).tril() & pad[:, None, None, :]
+    return torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+
+
+def subsequent_window(q, pad):
+    """nn.Transformer.generate_square_subsequent_mask (float, -inf above the diagonal) plus a
+    window cut by triu, and a key bias."""
+    n = q.shape[2]
+    future = torch.full((n, n), float("-inf")).triu(1)
+    old = torch.ones(n, n, dtype=torch.bool).triu(1 - W)
+    return future + torch.where(old, 0.0, float("-inf")) + torch.where(pad, 0.0, -1.5)[:, None, None, :]
+
+
+def two_sided(q, pad):
+    """Local attention, not causal: ``|t - p| <= W`` written as two comparisons."""
+    i = torch.arange(q.shape[2])
+    d = i.view(1, -1) - i.view(-1, 1)
+    return (d <= W) & (-d <= W) & pad.view(pad.shape[0], 1, 1, -1)
+
+
+CONSTRUCTIONS = {f.__name__: f for f in (hf_causal, hf_window, tril_float, subsequent_window, two_sided)}
+# (is_causal, band, key bias) each reads as.
+STRUCTURE = {
+    "hf_causal": (True, None, True),
+    "hf_window": (True, (1 - W, None), True),
+    "tril_float": (True, None, True),
+    "subsequent_window": (True, (1 - W, None), True),
+    "two_sided": (False, (-W, W), True),
+}
+
+
+def dense(kind: str, n: int, pad: torch.Tensor) -> torch.Tensor:
+    """The mask over the global sequence, as a bool keep-mask or additive bias (the reference's)."""
+    return CONSTRUCTIONS[kind](torch.empty(pad.shape[0], 1, n, 1), pad)
+
+
+def _padding(b: int, n: int) -> torch.Tensor:
+    pad = torch.ones(b, n, dtype=torch.bool)
+    pad[1, : n // 5] = False  # left padding in row 1
+    pad[0, 1::9] = False
+    return pad
+
+
+def _attend(kind):
+    build = CONSTRUCTIONS[kind]
+
+    def attend(q, k, v, pad):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, pad))
+
+    return attend
+
+
+# ---- what is read -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(CONSTRUCTIONS))
+def test_structure_is_read_and_the_dense_mask_is_gone(kind):
+    n = 32
+    q = torch.randn(2, 2, n, 8)
+    cap = capture(_attend(kind), q, q, q, _padding(2, n))
+    assert_rewritten(cap, 1)
+    plan = cap.records[0].plan
+    assert (plan.is_causal, plan.band, plan.has_mask) == STRUCTURE[kind]
+    (gm,) = cap.after
+    square = [
+        node for node in gm.graph.nodes
+        if isinstance(node.meta.get("example_value"), torch.Tensor)
+        and tuple(node.meta["example_value"].shape[-2:]) == (n, n)
+    ]  # fmt: skip
+    assert not square, f"(N, N) nodes left in the graph: {square}"
+
+
+def _query_padding(q, pad):
+    return pad[:, None, :, None] & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool)
+
+
+def _or_across(q, pad):
+    i = torch.arange(q.shape[2])
+    return (i[None, :] <= i[:, None]) | (i[None, :] < 4)  # causal, or a prefix everyone sees
+
+
+def _given(q, pad):
+    return pad[:, None, None, :] & (torch.rand(q.shape[2], q.shape[2]) > 0.5)
+
+
+@pytest.mark.parametrize(
+    "build, reason",
+    [
+        (_query_padding, "not a band"),
+        (_or_across, "not a band"),
+        (_given, "not a band"),
+    ],
+    ids=["query-padding", "or-across-positions", "data-of-both-positions"],
+)
+def test_mask_without_a_structure_is_left_alone(build, reason):
+    q = torch.randn(2, 2, 16, 8)
+
+    def attend(q, k, v, pad):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, pad))
+
+    cap = capture(attend, q, q, q, _padding(2, 16))
+    assert_left_alone(cap, site=0, reason=reason)
+
+
+# ---- numerics ------------------------------------------------------------------------------------
+
+
+def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated", layout="contiguous", n=64):
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 4, n, 8)
+    pad = _padding(2, n)
+    ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=dense(kind, n, pad))
+    expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
+    torch._dynamo.reset()
+    backend = ring_rewrite.backend(
+        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout
+    )
+    compiled = torch.compile(_attend(kind), backend=backend, fullgraph=True)
+    inputs = (q, k, v)
+    if sharding == "sharded" and world > 1:
+        cut = lambda x, dim=2: ring_rewrite.shard(x.detach(), dim, layout=layout)  # noqa: E731
+        inputs = tuple(cut(x).requires_grad_() for x in (q, k, v))
+        expected, dout, pad = [cut(x) for x in expected], cut(dout), cut(pad, 1)
+    out = compiled(*inputs, pad)
+    grads = torch.autograd.grad(out, inputs, dout)
+    errors = [rel_err(a, b) for a, b in zip((out, *grads), expected)]
+    assert max(errors) < BOUND, (rank, kind, segs, sharding, layout, errors)
+    (record,) = backend.records
+    assert record.rewritten and (record.plan.is_causal, record.plan.band) == STRUCTURE[kind][:2]
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
+@pytest.mark.parametrize("kind", ["hf_causal", "hf_window", "subsequent_window", "two_sided"])
+def test_one_rank_matches_reference(kind, segs, rates, compiler):
+    _check(kind, segs, rates, compiler, n=40)
+
+
+# (kind, segment_lengths, dilation_rates, sharding, layout): windows of 6 against shards of 16 to
+# 32 tokens, so ring blocks are skipped, banded and whole.
+CASES_P2 = [
+    ("hf_causal", [16, 64], [1, 2], "sharded", "zigzag"),
+    ("hf_window", None, None, "sharded", "zigzag"),
+    ("subsequent_window", [8, 64], [1, 2], "replicated", "contiguous"),
+    ("two_sided", [16, 64], [1, 2], "sharded", "contiguous"),
+]
+CASES_P4 = [
+    ("hf_window", [8, 32, 64], [1, 2, 4], "sharded", "zigzag"),
+    ("two_sided", None, None, "replicated", "zigzag"),
+]
+
+
+def _cases(rank, world, cases, compiler):
+    for kind, segs, rates, sharding, layout in cases:
+        _check(kind, segs, rates, compiler, world=world, rank=rank, sharding=sharding, layout=layout)
+
+
+@pytest.mark.parametrize(
+    "world, cases, compiler",
+    [(2, CASES_P2, "inductor"), (2, CASES_P2, "aot_eager"), (4, CASES_P4, "inductor")],
+    ids=["P2-inductor", "P2-aot_eager", "P4-inductor"],
+)
+def test_ring_matches_reference(world, cases, compiler):
+    run_ranks(world, _cases, cases, compiler)
