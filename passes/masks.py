@@ -463,6 +463,8 @@ def _conjuncts(e, keys: list):
         if _P not in _dims(c):
             keys.append(c)
             continue
+        if _every_position(c):
+            continue
         got = _relative(c)
         if got is None:
             return None
@@ -528,6 +530,23 @@ def _linear(e) -> dict | None:
         a = _linear(e.args[0])
         return None if a is None else {k: -v for k, v in a.items()}
     return None
+
+
+def _every_position(c) -> bool:
+    """Whether ``c`` is a comparison of the query position alone that every position ``p >= 0``
+    passes (transformers' encoders AND in ``q_idx >= 0``)."""
+    if not (isinstance(c, Op) and c.name in ("le", "lt", "ge", "gt")):
+        return False
+    lhs, rhs = (_linear(x) for x in c.args)
+    if lhs is None or rhs is None:
+        return False
+    diff = {k: lhs.get(k, 0) - rhs.get(k, 0) for k in lhs.keys() | rhs.keys()}
+    a, c0 = diff.get(_P, 0), diff.get(None, 0)
+    if any(v for k, v in diff.items() if k not in (_P, None)):
+        return False
+    # a * p + c0 <op> 0 at p = 0, and not failing as p grows.
+    holds = {"le": c0 <= 0, "lt": c0 < 0, "ge": c0 >= 0, "gt": c0 > 0}[c.name]
+    return holds and (a <= 0 if c.name in ("le", "lt") else a >= 0)
 
 
 def _relative(c) -> tuple | None:

@@ -32,6 +32,16 @@ def hf_causal(q, pad):
     return mask.expand(b, -1, n, n)
 
 
+def hf_encoder(q, pad):
+    """transformers' bidirectional mask: ``q_idx >= 0`` (always true) and padding."""
+    b, n = q.shape[0], q.shape[2]
+    batch = torch.arange(b)[:, None, None, None]
+    q_idx = torch.arange(n)[None, None, :, None]
+    kv_idx = torch.arange(n)[None, None, None, :]
+    mask = q_idx.new_ones((), dtype=torch.bool) & (q_idx >= 0) & pad[batch, kv_idx]
+    return mask.expand(b, -1, n, n)
+
+
 def hf_window(q, pad):
     """transformers' sliding window overlay: ``kv_idx > q_idx - W`` and causal, and padding."""
     n = q.shape[2]
@@ -63,10 +73,11 @@ def two_sided(q, pad):
     return (d <= W) & (-d <= W) & pad.view(pad.shape[0], 1, 1, -1)
 
 
-CONSTRUCTIONS = {f.__name__: f for f in (hf_causal, hf_window, tril_float, subsequent_window, two_sided)}
+CONSTRUCTIONS = {f.__name__: f for f in (hf_causal, hf_encoder, hf_window, tril_float, subsequent_window, two_sided)}
 # (is_causal, band, key bias) each reads as.
 STRUCTURE = {
     "hf_causal": (True, None, True),
+    "hf_encoder": (False, None, True),
     "hf_window": (True, (1 - W, None), True),
     "tril_float": (True, None, True),
     "subsequent_window": (True, (1 - W, None), True),
@@ -124,6 +135,11 @@ def _or_across(q, pad):
     return (i[None, :] <= i[:, None]) | (i[None, :] < 4)  # causal, or a prefix everyone sees
 
 
+def _query_prefix(q, pad):
+    i = torch.arange(q.shape[2])
+    return (i[:, None] < 8) & pad[:, None, None, :]  # only the first queries attend
+
+
 def _given(q, pad):
     return pad[:, None, None, :] & (torch.rand(q.shape[2], q.shape[2]) > 0.5)
 
@@ -133,9 +149,10 @@ def _given(q, pad):
     [
         (_query_padding, "not a band"),
         (_or_across, "not a band"),
+        (_query_prefix, "not a band"),
         (_given, "not a band"),
     ],
-    ids=["query-padding", "or-across-positions", "data-of-both-positions"],
+    ids=["query-padding", "or-across-positions", "query-prefix", "data-of-both-positions"],
 )
 def test_mask_without_a_structure_is_left_alone(build, reason):
     q = torch.randn(2, 2, 16, 8)
@@ -180,7 +197,7 @@ def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated
 
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
-@pytest.mark.parametrize("kind", ["hf_causal", "hf_window", "subsequent_window", "two_sided"])
+@pytest.mark.parametrize("kind", ["hf_causal", "hf_encoder", "hf_window", "subsequent_window", "two_sided"])
 def test_one_rank_matches_reference(kind, segs, rates, compiler):
     _check(kind, segs, rates, compiler, n=40)
 
