@@ -5,7 +5,7 @@
     dynamo graph
       -> attention_modules   nn.MultiheadAttention / TransformerEncoderLayer -> SDPA (decompose_mha.py)
       -> length_buckets      a symbolic sequence length -> padded to a static bucket (bucket_lengths.py)
-      -> (next: structured masks, hand-written matmul-softmax-matmul attention)
+      -> (next: hand-written matmul-softmax-matmul attention)
       -> rewrite_sdpa        every supported SDPA -> ring dilated attention (rewrite_sdpa.py)
       -> the lowering compiler (inductor by default)
 

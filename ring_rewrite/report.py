@@ -114,6 +114,16 @@ def _ranks(ranks) -> str:
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
+def _causal(plan: SitePlan) -> str:
+    """``is_causal`` and the band a mask read from the graph adds (Note [Bands])."""
+    if plan.band is None:
+        return str(plan.is_causal)
+    lo, hi = plan.band
+    if plan.is_causal and hi is None:
+        return f"True, window {1 - lo}"
+    return f"{plan.is_causal}, {'-inf' if lo is None else lo} <= t - p <= {'inf' if hi is None else hi}"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -164,7 +174,7 @@ class Report:
                         else "1",
                         **({"rank (group)": f"{plan.ranks[plan.rank]} ({_ranks(plan.ranks)})"}
                            if plan.world > 1 else {}),
-                        "causal": plan.is_causal,
+                        "causal": _causal(plan),
                         "status": "rewritten" if r.reason is None else f"rewritten, {r.reason}",
                         "GFLOP fwd (dense)": f"{attention_flops(plan) / 1e9:.3g} "
                         f"({dense_flops(plan) / 1e9:.3g})",

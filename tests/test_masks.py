@@ -117,6 +117,8 @@ def test_structure_is_read_and_the_dense_mask_is_gone(kind):
     assert_rewritten(cap, 1)
     plan = cap.records[0].plan
     assert (plan.is_causal, plan.band, plan.has_mask) == STRUCTURE[kind]
+    if plan.band is not None:
+        assert (f"True, window {W}" if plan.is_causal else f"{-W} <= t - p <= {W}") in str(cap.report)
     (gm,) = cap.after
     square = [
         node for node in gm.graph.nodes
