@@ -22,7 +22,8 @@ so every length in ``(L/2, L]`` runs the graph compiled for the first of them. O
 sequence is the site's to cut: replicated mode, or one rank (in sharded mode each rank's shard
 holds fixed global positions). ``RingDilatedConfig(disable_passes=["length_buckets"])``
 specialises instead.
-A site whose shapes would not be rewritten anyway (cross attention, a dense mask) is not touched.
+Cross attention (Note [Self or cross attention] in ``find_sdpa.py``) and a site whose shapes would
+not be rewritten anyway (a dense mask) are not touched.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch._dynamo.utils import counters
 from ring_rewrite.config import RingDilatedConfig
 
 from ._fx import propagate_example_values, stamp
-from .find_sdpa import SdpaSite, find_sdpa_sites
+from .find_sdpa import SdpaSite, cross_attention_reason, find_sdpa_sites
 from .records import records, sharded
 
 __all__ = ["NAME", "bucket_lengths", "bucket"]
@@ -69,9 +70,11 @@ def bucket_lengths(gm: fx.GraphModule, example_inputs: Any = None, *, config: Ri
 
 def _symbolic_length(site: SdpaSite) -> torch.SymInt | None:
     """The site's sequence length if it is a symbol that q, k, v (and a key-padding mask)
-    share."""
+    share, in self attention."""
     q, k, v, mask = (site.meta(x) for x in (site.query, site.key, site.value, site.attn_mask))
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
+        return None
+    if cross_attention_reason(site) is not None:
         return None
     n = q.shape[2]
     if not isinstance(n, torch.SymInt) or n.node.is_constant():

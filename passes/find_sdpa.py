@@ -3,16 +3,61 @@
 Finding is separate from rewriting: ``find_sdpa_sites`` returns one frozen record per
 ``F.scaled_dot_product_attention`` node, and ``unsupported_reason`` is the one guard that says
 why a site must stay as it is (or None).
+
+Note [Self or cross attention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Only self attention is rewritten (SPEC §2), decided by data flow, not by equal lengths (a
+decoder's cross attention to an encoder output of its own length is still cross attention).
+``data_flow`` walks back from q, k and v to their *sequences*: the graph's inputs that are
+tensors and no module state (dynamo marks parameters, buffers and a module's tensor attributes
+with ``_dynamo_static_input_type``; tensors made in the graph, ``arange`` say, are no inputs).
+The walk follows every tensor input of a node (sizes are no tensors), except at the ops that mix
+the positions of a sequence, where it follows only the operand that carries the rows (tokens):
+the query of an SDPA call or of a site already rewritten (never its mask, keys or values), the
+first operand of a matmul / bmm / linear / einsum (``addmm``-like ops: also the one they add).
+In a two-layer decoder::
+
+    x1 = x + out1(sdpa(q1(x), k1(memory), v1(memory)))     # layer 1's cross attention
+    y = sdpa(q2(x1), k2(memory), v2(memory))              # layer 2's
+
+the walk from layer 2's query goes through ``q2``'s linear to ``x1``, through the sum to ``x`` and
+to layer 1's SDPA, and there to its query only: ``x``. The memory reaches ``x1`` through layer
+1's keys and values alone, which move no rows of their own into the stream. So layer 2 is
+cross attention: ``query from x but key/value from memory``.
+
+A site is self attention when
+
+* every input its query comes from is one its keys or values come from (q and k from ``x``
+  and ``position_ids``; a KV cache's keys from the cache as well), and
+* its keys and values come out of no attention call that the query's walk does not pass (they
+  may be taken at an earlier layer of the query's own stream, as in cross-layer KV sharing).
+
+Otherwise it is cross attention: ``query from x but key/value from memory``; a query of module
+state only (learned latents) against keys from an input; and an encoder-decoder whose decoder
+reads the encoder's own input shifted (BART without ``decoder_input_ids``): both come from
+``input_ids``, but the keys come out of the encoder's attention, the query does not.
+
+The graph cannot tell where it shows no projection: a query and a key that both reach their
+inputs through no matmul-like op (``f(q, k, v)`` calling SDPA on its arguments, up to views,
+casts, elementwise ops and attention over them), or a site that reaches no input at all, count
+as self attention, as they did before the walk. A raw query against keys projected from another
+input (a graph break between a projection and the SDPA call) counts as cross attention: left
+alone, never rewritten wrongly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
+import re
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._functorch.autograd_function import autograd_function_apply
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ring_rewrite import kernels
@@ -21,8 +66,17 @@ from ._fx import location
 from .masks import MaskStructure, mask_structure
 
 __all__ = [
-    "SdpaSite", "bind_sdpa", "dense_mask", "find_sdpa_sites", "unsupported_reason", "SDPA_TARGETS",
-]  # fmt: skip
+    "DataFlow",
+    "Origin",
+    "SDPA_TARGETS",
+    "SdpaSite",
+    "bind_sdpa",
+    "cross_attention_reason",
+    "data_flow",
+    "dense_mask",
+    "find_sdpa_sites",
+    "unsupported_reason",
+]
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
 _SIGNATURE = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -101,9 +155,18 @@ def unsupported_reason(site: SdpaSite) -> str | None:
     reason = kernels.unsupported_reason(q, k, v)
     if reason is not None:
         return reason
+    reason = cross_attention_reason(site)
+    if reason is not None:
+        return reason
     qs, ks, vs = (_static_shape(t) for t in (q, k, v))
     if qs[2] != ks[2] or ks[2] != vs[2]:
-        return f"query length {qs[2]} != key/value length {ks[2]}/{vs[2]} (cross attention or KV cache)"
+        lengths = f"query length {qs[2]} != key/value length {ks[2]}/{vs[2]}"
+        same = data_flow(site).same_sequence
+        if same is None:
+            return f"{lengths} (cross attention or KV cache: the graph cannot tell)"
+        if qs[2] < ks[2]:
+            return f"{lengths}: a KV cache / decode step (key/value derive from the query's sequence)"
+        return f"{lengths} (key/value derive from the query's sequence)"
     if qs[0] != ks[0] or ks[0] != vs[0] or ks[1] != vs[1]:
         return f"batch/head shapes do not match: q {qs}, k {ks}, v {vs}"
     if qs[1] != ks[1] and not site.enable_gqa:
@@ -127,6 +190,163 @@ def unsupported_reason(site: SdpaSite) -> str | None:
         if isinstance(structure, str):
             return structure
     return None
+
+
+def cross_attention_reason(site: SdpaSite) -> str | None:
+    """Why ``site`` is cross attention (its query and key/value come from different sequences),
+    or None (Note [Self or cross attention])."""
+    flow = data_flow(site)
+    if flow.same_sequence is not False:
+        return None
+    q, kv = flow.query, flow.key_value
+    if not q.sequences or not q.sequences <= kv.sequences:
+        return f"cross attention: query from {_names(q.sequences)} but key/value from {_names(kv.sequences)}"
+    (*_, last) = (n for n in site.node.graph.nodes if n in kv.attention - q.attention)
+    rewritten = last.meta.get("ring_rewrite", {}).get("site")
+    where = location(last) if rewritten is None else f"site {rewritten} ({location(last)})"
+    return (
+        f"cross attention: key/value come out of the attention at {where}, the query does not "
+        f"(both from {_names(kv.sequences)})"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a tensor's rows come from: the graph inputs its walk reaches (``sequences``), those
+    of them it reaches through a projection, a matmul-like op (``projected``), and the attention
+    calls on the way (``attention``)."""
+
+    sequences: frozenset[fx.Node] = frozenset()
+    projected: frozenset[fx.Node] = frozenset()
+    attention: frozenset[fx.Node] = frozenset()
+
+    def __or__(self, other: Origin) -> Origin:
+        fields = ("sequences", "projected", "attention")
+        return Origin(*(getattr(self, f) | getattr(other, f) for f in fields))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFlow:
+    """The origins of a site's query, key and value."""
+
+    query: Origin
+    key: Origin
+    value: Origin
+
+    @property
+    def key_value(self) -> Origin:
+        return self.key | self.value
+
+    @property
+    def same_sequence(self) -> bool | None:
+        """Whether q and k/v derive from the same sequence; None where the graph cannot tell
+        (Note [Self or cross attention])."""
+        q, k, kv = self.query, self.key, self.key_value
+        if not q.sequences and not kv.sequences:
+            return None  # module state and constants only
+        if q.sequences and k.sequences and not q.projected and not k.projected:
+            return None  # q and k are the graph's own inputs: f(q, k, v)
+        return bool(q.sequences) and q.sequences <= kv.sequences and kv.attention <= q.attention
+
+
+def data_flow(site: SdpaSite) -> DataFlow:
+    """Walk back from the site's q, k and v to the graph inputs they derive from."""
+    return DataFlow(*_origins([site.query, site.key, site.value]))
+
+
+def _origins(nodes: Sequence[fx.Node]) -> list[Origin]:
+    reached: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in reached:
+            reached.add(node)
+            stack.extend(_followed(node))
+    origin: dict[fx.Node, Origin] = {}
+    for node in nodes[0].graph.nodes:  # in order: a node's inputs come before it
+        if node not in reached:
+            continue
+        if node.op == "placeholder":
+            origin[node] = Origin(frozenset([node])) if _is_sequence(node) else Origin()
+            continue
+        mine = functools.reduce(operator.or_, (origin[x] for x in _followed(node)), Origin())
+        if _projected_operands(node) is not None:
+            mine = dataclasses.replace(mine, projected=mine.sequences)
+        elif _attention_query(node) is not None:
+            mine = dataclasses.replace(mine, attention=mine.attention | {node})
+        origin[node] = mine
+    return [origin[node] for node in nodes]
+
+
+def _followed(node: fx.Node) -> list[fx.Node]:
+    """The inputs of ``node`` the walk goes on to: its tensors; at a mixing op, the operands
+    that carry the rows."""
+    query = _attention_query(node)
+    rows = [query] if query is not None else _projected_operands(node)
+    return [x for x in (node.all_input_nodes if rows is None else rows) if _holds_tensor(x)]
+
+
+def _attention_query(node: fx.Node) -> fx.Node | None:
+    """The query of an SDPA call or of a site already rewritten; None for any other node."""
+    if node.op == "call_function" and node.target in SDPA_TARGETS:
+        return bind_sdpa(node).query
+    if node.target is autograd_function_apply and node.meta.get("ring_rewrite", {}).get("role") == "site":
+        return node.args[2]  # (fwd, bwd, q, k, v, ...): see rewrite_sdpa
+    return None
+
+
+_FIRST_OPERAND = {
+    torch.matmul, operator.matmul, torch.bmm, torch.mm, F.linear, torch.einsum,
+    F.multi_head_attention_forward,  # an attention module left alone: its query, projected
+}  # fmt: skip
+_FIRST_OPERAND_METHODS = {"matmul", "__matmul__", "bmm", "mm"}
+_ADDED_AND_FIRST = {torch.baddbmm, torch.addmm, torch.addbmm}  # input + batch1 @ batch2
+_ADDED_AND_FIRST_METHODS = {"baddbmm", "addmm", "addbmm"}
+
+
+def _projected_operands(node: fx.Node) -> list[fx.Node] | None:
+    """At a matmul-like op, the operands that carry its rows; None for any other node."""
+    first = node.op == "call_function" and node.target in _FIRST_OPERAND
+    first = first or node.op == "call_method" and node.target in _FIRST_OPERAND_METHODS
+    added = node.op == "call_function" and node.target in _ADDED_AND_FIRST
+    added = added or node.op == "call_method" and node.target in _ADDED_AND_FIRST_METHODS
+    if not (first or added):
+        return None
+    operands = [x for x in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(x, fx.Node)]
+    return operands[: 2 if added else 1]
+
+
+def _holds_tensor(node: fx.Node) -> bool:
+    """Whether ``node`` is a tensor (or holds some: a split's tuple), not a size; unknown
+    values count as tensors."""
+    if "example_value" not in node.meta:
+        return True
+    return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(node.meta["example_value"]))
+
+
+def _is_sequence(placeholder: fx.Node) -> bool:
+    """Whether a graph input is a tensor of the caller's, not a module's parameter or buffer."""
+    value = placeholder.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+        return False
+    # NOTE: dynamo marks a module's parameters, buffers and tensor attributes so.
+    return "_dynamo_static_input_type" not in placeholder.meta.get("tensor_dict", {})
+
+
+def _names(sequences: frozenset[fx.Node]) -> str:
+    if not sequences:
+        return "no input (module state and constants only)"
+    return ", ".join(sorted(_input_name(n) for n in sequences))
+
+
+_LOCAL_ARG = re.compile(r"^L\['([^']*)'\]")
+
+
+def _input_name(placeholder: fx.Node) -> str:
+    """The caller's name of a graph input: ``x``, ``batch['x']`` (dynamo's ``L['x']``)."""
+    arg = placeholder.meta.get("grapharg")
+    name = arg.source.name if arg is not None and arg.source is not None else placeholder.name
+    return _LOCAL_ARG.sub(r"\1", name)
 
 
 def dense_mask(site: SdpaSite) -> MaskStructure | str | None:
