@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ring_rewrite.roles import current
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_LOCAL = re.compile(r"^L\['[^']*'\]\.?")  # dynamo's name of the compiled module: L['self'].
+_LOCAL = re.compile(r"^L\['[^']*'\](\[\d+\])?\.?")  # the compiled module: L['self']., L['args'][0].
 
 
 class RoleTracer(fx.proxy.GraphAppendingTracer):

@@ -73,8 +73,10 @@ __all__ = [
     "bind_sdpa",
     "cross_attention_reason",
     "data_flow",
+    "decode_reason",
     "dense_mask",
     "find_sdpa_sites",
+    "is_decode_step",
     "unsupported_reason",
 ]
 
@@ -190,6 +192,73 @@ def unsupported_reason(site: SdpaSite) -> str | None:
         if isinstance(structure, str):
             return structure
     return None
+
+
+def is_decode_step(site: SdpaSite) -> bool:
+    """Whether ``site`` is a decode step: a query of a fixed length ``m`` shorter than its keys,
+    which derive from the query's sequence (a KV cache: SPEC §2, the last ``m`` positions).
+
+    NOTE: the key length is never specialised here: from the second decode step on dynamo makes
+    it a symbol, and one graph then serves every later length (``ring_rewrite/decode.py``). Only
+    ``N > m`` is guarded.
+    """
+    q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return False
+    m, n = q.shape[2], k.shape[2]
+    if isinstance(m, torch.SymInt) or not _hint(n) > m:
+        return False
+    if data_flow(site).same_sequence is not True:
+        return False
+    return bool(n > m)
+
+
+def decode_reason(site: SdpaSite) -> str | None:
+    """Why a decode step (``is_decode_step``) cannot be rewritten, or None; its key length is
+    compared, never specialised."""
+    for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
+        if isinstance(getattr(site, name), fx.Node):
+            return f"{name} is computed at run time (must be a constant)"
+    q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
+    reason = kernels.unsupported_reason(q, k, v)
+    if reason is not None:
+        return reason
+    if site.dropout_p:
+        return "dropout in a decode step"
+    if site.is_causal:
+        # NOTE: SDPA aligns is_causal top-left when the query is shorter: not the last rows.
+        return f"is_causal with a query of {q.shape[2]} shorter than its keys (SDPA aligns it top-left)"
+    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        return f"batch/head shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not bool(k.shape[2] == v.shape[2]):
+        return f"key length {k.shape[2]} != value length {v.shape[2]}"
+    if q.shape[1] != k.shape[1] and not site.enable_gqa:
+        return f"query has {q.shape[1]} heads and key {k.shape[1]} without enable_gqa"
+    if q.shape[1] % k.shape[1]:
+        return f"query heads {q.shape[1]} not a multiple of key/value heads {k.shape[1]}"
+    if site.attn_mask is not None:
+        mask = site.meta(site.attn_mask)
+        if not isinstance(mask, torch.Tensor) or mask.requires_grad:
+            return "attn_mask requires grad or has no example value"
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            return f"attn_mask dtype {mask.dtype}"
+        lead = (1,) * (4 - mask.dim()) + tuple(mask.shape[:-2])
+        keys = mask.dim() >= 2 and mask.shape[-2] == 1 and bool(mask.shape[-1] == k.shape[2])
+        if not keys or lead[0] not in (1, q.shape[0]) or lead[1] not in (1, q.shape[1]):
+            return f"a decode step with an attn_mask of shape {tuple(mask.shape)} (only key masks (B|1, H|1, 1, N))"
+    return None
+
+
+def display_shapes(site: SdpaSite) -> dict[str, tuple | None]:
+    """The site's shapes as the report shows them, symbols as they are (nothing guarded)."""
+    return {
+        name: None if not isinstance(t := site.meta(getattr(site, name)), torch.Tensor) else tuple(t.shape)
+        for name in ("query", "key", "value", "attn_mask")
+    }
+
+
+def _hint(n) -> int:
+    return n.node.hint if isinstance(n, torch.SymInt) else int(n)
 
 
 def cross_attention_reason(site: SdpaSite) -> str | None:

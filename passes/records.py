@@ -40,10 +40,13 @@ class SiteRecord:
     plan: SitePlan | None = None
     passes: tuple[str, ...] = ()
     """The passes that changed the site, in pipeline order (``passes/pipeline.py``)."""
+    decode: bool = False
+    """A decode step rewritten without a plan: its rows computed on every rank
+    (``ring_rewrite/decode.py``)."""
 
     @property
     def rewritten(self) -> bool:
-        return self.plan is not None
+        return self.plan is not None or self.decode
 
 
 def records(gm: fx.GraphModule) -> list[SiteRecord]:

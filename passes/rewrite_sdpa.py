@@ -58,13 +58,17 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
+from ring_rewrite.decode import decode_attention
 from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group, variant_hash
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, stamp, trace_subgraph
-from .find_sdpa import SdpaSite, bind_sdpa, dense_mask, find_sdpa_sites, static_strides, unsupported_reason
+from .find_sdpa import (
+    SdpaSite, bind_sdpa, decode_reason, dense_mask, display_shapes, find_sdpa_sites, is_decode_step,
+    static_strides, unsupported_reason,
+)  # fmt: skip
 from .masks import MaskStructure, key_mask
-from .records import TOUCHED, SiteRecord, leave_alone, records
+from .records import TOUCHED, SiteRecord, leave_alone, records, sharded
 
 __all__ = ["NAME", "rewrite_sdpa"]
 
@@ -88,6 +92,25 @@ def rewrite_sdpa(
     for node in [site.node for site in find_sdpa_sites(gm)]:
         site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
         index = len(sites)
+        if is_decode_step(site):
+            reason = decode_reason(site)
+            if reason is None and sharded(config):
+                reason = "a decode step in sharded mode (decode steps run in replicated mode or on one rank)"
+            if reason is not None:
+                leave_alone(
+                    gm, config, what="SDPA", fate="be rewritten", location=site.location,
+                    kind="sdpa", shapes=display_shapes(site), reason=reason,
+                )  # fmt: skip
+                continue
+            _rewrite_decode(gm, site, index, config)
+            counters["ring_rewrite"]["rewritten"] += 1
+            passes = (*node.meta.get(TOUCHED, ()), NAME)
+            note = f"decode step: the last {site.meta(site.query).shape[2]} rows, on every rank"
+            sites.append(
+                SiteRecord(index, site.location, "sdpa", display_shapes(site), note, passes=passes, decode=True)
+            )
+            rewritten += 1
+            continue
         reason = unsupported_reason(site)
         plan = note = structure = None
         if reason is None:
@@ -120,6 +143,38 @@ def rewrite_sdpa(
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _rewrite_decode(gm: fx.GraphModule, site: SdpaSite, index: int, config: RingDilatedConfig) -> None:
+    """A decode step becomes its rows of the site's function (``ring_rewrite/decode.py``), in
+    plain torch ops on every rank (role "decode"); the key length stays as dynamo has it."""
+    graph, node = gm.graph, site.node
+    d = site.meta(site.query).shape[-1]
+    decode = functools.partial(
+        _decode,
+        branches=config.branches(_WHOLE),
+        scale=d**-0.5 if site.scale is None else float(site.scale),
+    )
+    inputs = [site.query, site.key, site.value]
+    if site.attn_mask is not None:
+        inputs.append(site.attn_mask)
+        decode.keywords["bool_mask"] = site.meta(site.attn_mask).dtype == torch.bool
+    with graph.inserting_before(node):
+        tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
+        with role("decode"):
+            out = emit(tracer, decode, *inputs)
+    stamp(out, index, node.meta.get("stack_trace"), role="site", decode=True)
+    out.meta["example_value"] = node.meta.get("example_value")
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+_WHOLE = 1 << 62  # the exact config's one segment: longer than any prefix
+
+
+def _decode(q, k, v, mask=None, *, branches, scale, bool_mask=False):
+    bias = torch.where(mask, 0.0, float("-inf")) if bool_mask else mask
+    return decode_attention(q, k, v, bias, branches=branches, scale=scale, is_causal=False)
 
 
 def _agreement_key(record: SiteRecord) -> dict:

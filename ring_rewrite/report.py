@@ -160,7 +160,9 @@ class Report:
                 "passes": ", ".join(r.passes) or "-",
                 "q / k / v": " ".join(_shape(r.shapes.get(n)) for n in ("query", "key", "value")),
             }
-            if r.plan is None:
+            if r.decode:
+                row.update({"branches (w, r)": "-", "status": f"rewritten, {r.reason}"})
+            elif r.plan is None:
                 row.update({"branches (w, r)": "-", "status": f"left alone: {r.reason}"})
             else:
                 plan = r.plan

@@ -28,6 +28,7 @@ ROLES = (
     "merge",  # LSE merges (ring steps, branches) and gradient sums
     "p2p",  # ring transfers
     "shard",  # replicated mode: take the local shard, re-assemble the result
+    "decode",  # a decode step's rows of the site's function (ring_rewrite/decode.py)
 )
 
 

@@ -12,6 +12,7 @@ flow)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +29,10 @@ from ring_rewrite.reference import reference_attention  # noqa: E402
 BOUND = 1e-5
 B, N, V = 2, 16, 64
 CONFIGS = {"exact": {}, "dilated": {"segment_lengths": [8, 16], "dilation_rates": [1, 2]}}
+# NOTE: weights drawn with std 0.2 (transformers' default 0.02 gives near-uniform attention at
+# hidden 32, whose query/key gradients are then mostly float32 cancellation: ill-conditioned).
+INIT = 0.2
 REWRITTEN = None  # an expected outcome: the site is rewritten (else: a substring of its reason)
-CROSS_PENDING = "BART cross attention (q from the decoder, k/v from the encoder, equal lengths) is left alone only once the cross-attention branch is merged"
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -68,15 +71,18 @@ class Zoo:
     sites: dict[str, str | None]
     """Module path of every attention site -> ``REWRITTEN`` or a substring of the reason it is
     left alone."""
-    xfail: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Sites whose expected outcome is not today's, and why."""
+    zero_gradients: str | None = None
+    """Parameters whose gradient is 0 up to rounding (a regular expression): the bias of a key
+    projection with no rotary embedding after it shifts every score of a row alike, which softmax
+    ignores. Their error is measured against the model's largest gradient, not their own."""
 
 
 def _causal_lm(cls: str, config: str, **fields: Any) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         common = dict(
             vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=64, attn_implementation="sdpa",
+            num_attention_heads=4, max_position_embeddings=64, initializer_range=INIT,
+            attn_implementation="sdpa",
         )  # fmt: skip
         cfg = getattr(transformers, config)(**{**common, **fields})
         return _seeded(lambda: getattr(transformers, cls)(cfg))
@@ -101,7 +107,8 @@ def _two(path: str, outcome: str | None = REWRITTEN) -> dict[str, str | None]:
 
 def _gpt2() -> torch.nn.Module:
     cfg = transformers.GPT2Config(
-        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation="sdpa"
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=INIT,
+        attn_implementation="sdpa",
     )
     return _seeded(lambda: transformers.GPT2LMHeadModel(cfg))
 
@@ -109,7 +116,7 @@ def _gpt2() -> torch.nn.Module:
 def _bert() -> torch.nn.Module:
     cfg = transformers.BertConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, attn_implementation="sdpa",
+        intermediate_size=64, max_position_embeddings=64, initializer_range=INIT, attn_implementation="sdpa",
     )  # fmt: skip
     return _seeded(lambda: transformers.BertModel(cfg))
 
@@ -118,7 +125,7 @@ def _bart() -> torch.nn.Module:
     cfg = transformers.BartConfig(
         vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_position_embeddings=64, attn_implementation="sdpa",
+        max_position_embeddings=64, init_std=INIT, attn_implementation="sdpa",
     )  # fmt: skip
     return _seeded(lambda: transformers.BartForConditionalGeneration(cfg))
 
@@ -126,7 +133,7 @@ def _bart() -> torch.nn.Module:
 def _vit() -> torch.nn.Module:
     cfg = transformers.ViTConfig(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, attn_implementation="sdpa",
+        intermediate_size=64, initializer_range=INIT, attn_implementation="sdpa",
     )  # fmt: skip
     return _seeded(lambda: transformers.ViTModel(cfg))
 
@@ -137,7 +144,7 @@ def _whisper_encoder() -> torch.nn.Module:
         vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
         max_source_positions=N, max_target_positions=32, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, decoder_start_token_id=1, attn_implementation="sdpa",
+        eos_token_id=2, decoder_start_token_id=1, init_std=INIT, attn_implementation="sdpa",
     )  # fmt: skip
     return _seeded(lambda: transformers.WhisperModel(cfg).get_encoder())
 
@@ -184,7 +191,7 @@ ZOO: dict[str, Zoo] = {
     ),  # fmt: skip
     "bert": Zoo(
         _bert, lambda m: m(_ids(), attention_mask=_right_padding()).last_hidden_state,
-        _two("encoder.layer.{}.attention.self"),
+        _two("encoder.layer.{}.attention.self"), zero_gradients=r"\.key\.bias$",
     ),
     "bart": Zoo(
         _bart,
@@ -196,11 +203,11 @@ ZOO: dict[str, Zoo] = {
             **_two("model.decoder.layers.{}.self_attn"),
             **_two("model.decoder.layers.{}.encoder_attn", "cross attention"),
         },
-        xfail=_two("model.decoder.layers.{}.encoder_attn", CROSS_PENDING),
+        zero_gradients=r"\.k_proj\.bias$",
     ),
     "vit": Zoo(
         _vit, lambda m: m(pixel_values=_randn(B, 3, 32, 32)).last_hidden_state,
-        _two("encoder.layer.{}.attention.attention"),
+        _two("layers.{}.attention"), zero_gradients=r"\.k_proj\.bias$",
     ),
     "whisper_encoder": Zoo(
         _whisper_encoder, lambda m: m(_randn(B, 8, 2 * N)).last_hidden_state, _two("layers.{}.self_attn")
@@ -216,7 +223,10 @@ ZOO: dict[str, Zoo] = {
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().square().mean()
+    """A fixed random weighting of the output (not ``square().mean()``, which a final LayerNorm
+    makes nearly constant)."""
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    return (out.float() * weights).mean()
 
 
 def _forward_backward(
@@ -232,16 +242,16 @@ def _forward_backward(
     return out.detach(), grads
 
 
-def _compiled(name: str, **config: Any) -> tuple[Any, tuple[torch.Tensor, dict[str, torch.Tensor]], list]:
+def _compiled(name: str, **config: Any) -> tuple[tuple[torch.Tensor, dict[str, torch.Tensor]], list]:
     """The model compiled with ``ring_rewrite.backend(**config)``: its output, gradients and site
-    records (``.location`` 'model.layers.0.self_attn (sdpa_attention.py:182)', ``.rewritten``,
-    ``.reason``, ``.plan``)."""
+    records (``.location`` like 'model.layers.0.self_attn (sdpa_attention.py:182)',
+    ``.rewritten``, ``.reason``, ``.plan``)."""
     zoo = ZOO[name]
     model = zoo.build()
     torch._dynamo.reset()
     backend = ring_rewrite.backend(**config)
     result = _forward_backward(model, zoo.call, torch.compile(model, backend=backend))
-    return model, result, list(backend.records)
+    return result, list(backend.records)
 
 
 def _reference_sdpa(config: dict[str, Any], calls: list[int]) -> Callable:
@@ -279,25 +289,40 @@ def _expected(name: str, config: dict[str, Any]) -> tuple[torch.Tensor, dict[str
     return result
 
 
-def _errors(got, expected) -> dict[str, float]:
+def _errors(name: str, got, expected) -> dict[str, float]:
+    """rel_err of the output and of every parameter's gradient; a parameter with no gradient on
+    one side (the pooler of BertModel / ViTModel, not in the loss: AOT autograd gives it zeros,
+    eager None) counts as zeros there."""
     (out, grads), (ref, ref_grads) = got, expected
-    assert grads.keys() == ref_grads.keys(), sorted(grads.keys() ^ ref_grads.keys())
-    return {"output": rel_err(out, ref), **{n: rel_err(grads[n], ref_grads[n]) for n in ref_grads}}
+    largest = max(g.abs().max().item() for g in ref_grads.values())
+    errors = {"output": rel_err(out, ref)}
+    zero_gradients = ZOO[name].zero_gradients
+    for param in grads.keys() | ref_grads.keys():
+        zeros = torch.zeros_like(grads.get(param, ref_grads.get(param)))
+        a, b = grads.get(param, zeros), ref_grads.get(param, zeros)
+        zero = zero_gradients is not None and re.search(zero_gradients, param)
+        errors[param] = (a - b).abs().max().item() / largest if zero else rel_err(a, b)
+    return errors
 
 
 def _worst(errors: dict[str, float]) -> tuple[str, float]:
     return max(errors.items(), key=lambda item: item[1])
 
 
-def _path(record) -> str:
-    return record.location.split(" (")[0]
+def _path(record, paths) -> str:
+    """The expected module path the record's location names (its module part is that path, or
+    ends with it: dynamo names the root differently when a model's forward is wrapped), else the
+    module part itself."""
+    module = record.location.split(" (")[0]
+    found = [p for p in paths if module == p or module.endswith("." + p)]
+    return found[0] if len(found) == 1 else module
 
 
-def _outcomes(records) -> dict[str, str | None]:
+def _outcomes(records, paths) -> dict[str, str | None]:
     """Module path -> REWRITTEN or the reason the site was left alone."""
-    paths = [_path(r) for r in records]
-    assert len(set(paths)) == len(paths), f"a site was compiled twice: {paths}"
-    return {_path(r): REWRITTEN if r.rewritten else r.reason for r in records}
+    named = [_path(r, paths) for r in records]
+    assert len(set(named)) == len(named), f"a site was compiled twice: {[r.location for r in records]}"
+    return {p: REWRITTEN if r.rewritten else r.reason for p, r in zip(named, records)}
 
 
 def _matches(outcome: str | None, expected: str | None) -> bool:
@@ -314,8 +339,8 @@ def _exact_aot_eager(name: str) -> tuple[dict[str, float], dict[str, str | None]
     outcomes (shared by the numerics test and the per-site tests)."""
     if (name, "aot_eager") not in _RUNS:
         expected = _expected(name, {})
-        _, got, records = _compiled(name, compiler="aot_eager")
-        _RUNS[name, "aot_eager"] = (_errors(got, expected), _outcomes(records))
+        got, records = _compiled(name, compiler="aot_eager")
+        _RUNS[name, "aot_eager"] = (_errors(name, got, expected), _outcomes(records, ZOO[name].sites))
     return _RUNS[name, "aot_eager"]
 
 
@@ -324,13 +349,10 @@ def _exact_aot_eager(name: str) -> tuple[dict[str, float], dict[str, str | None]
 
 def _site_params() -> list:
     return [
-        pytest.param(
-            name, path, expected, id=f"{name}-{path}",
-            marks=[pytest.mark.xfail(strict=False, reason=zoo.xfail[path])] if path in zoo.xfail else [],
-        )
+        pytest.param(name, path, expected, id=f"{name}-{path}")
         for name, zoo in ZOO.items()
         for path, expected in zoo.sites.items()
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -360,11 +382,11 @@ def test_exact_matches_eager_aot_eager(name):
 def _check(name: str, config_name: str, compiler: str) -> None:
     config = CONFIGS[config_name]
     expected = _expected(name, config)
-    _, got, records = _compiled(name, compiler=compiler, **config)
-    outcomes = _outcomes(records)
+    got, records = _compiled(name, compiler=compiler, **config)
+    outcomes = _outcomes(records, ZOO[name].sites)
     wrong = {p: o for p, o in outcomes.items() if not _matches(o, ZOO[name].sites[p])}
     assert not wrong, wrong
-    errors = _errors(got, expected)
+    errors = _errors(name, got, expected)
     assert _worst(errors)[1] < BOUND, (name, config_name, compiler, _worst(errors))
 
 
@@ -389,9 +411,11 @@ def _rank(rank: int, world: int, name: str, config_name: str, compiler: str) -> 
     _check(name, config_name, compiler)
 
 
+# NOTE: inductor (the default compiler) for one model only: at P = 2 each inductor compile costs
+# about a minute on two cores (cold cache); aot_eager runs the same rewritten graph.
 @pytest.mark.parametrize(
     "name, config_name, compiler",
-    [("llama", "dilated", "inductor"), ("mistral", "exact", "inductor"), ("bert", "dilated", "inductor")],
+    [("llama", "dilated", "inductor"), ("mistral", "exact", "aot_eager"), ("bert", "dilated", "aot_eager")],
 )
 def test_two_ranks_replicated_match(name, config_name, compiler):
     run_ranks(2, _rank, name, config_name, compiler)
@@ -401,16 +425,18 @@ def test_two_ranks_replicated_match(name, config_name, compiler):
 
 
 def test_llama_generate_matches_eager():
-    """Greedy ``generate`` of 4 tokens, left padding, ``model.forward`` compiled (exact config):
-    the same token ids as eager, and never a RecompileLimitError (one prefill graph, then decode
-    graphs as the cache grows)."""
-    build = _causal_lm(
-        "LlamaForCausalLM", "LlamaConfig", num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2
-    )
-    model = build()
+    """Greedy ``generate`` past dynamo's recompile limit, left padding, ``model.forward``
+    compiled (exact config): the same token ids as eager, never a RecompileLimitError, and every
+    decode step rewritten (one graph for every cache length after the first step; the dilated
+    config is tests/test_decode.py's)."""
+    tokens = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = _causal_lm("LlamaForCausalLM", "LlamaConfig", num_key_value_heads=2, **tokens)()
     ids = _ids()
     ids[1, :3] = 0
-    kwargs = dict(attention_mask=_left_padding(), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    steps = torch._dynamo.config.recompile_limit + 4
+    kwargs = dict(
+        attention_mask=_left_padding(), max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0
+    )
     expected = model.generate(ids, **kwargs)
     backend = ring_rewrite.backend(compiler="aot_eager")
     model.forward = torch.compile(model.forward, backend=backend)
@@ -420,4 +446,7 @@ def test_llama_generate_matches_eager():
         pytest.fail(f"generate hit the recompile limit: {error}")
     assert torch.equal(got, expected), (got, expected)
     prefill = [r for r in backend.records if r.shapes["query"][2] == N]
-    assert [(_path(r), r.rewritten) for r in prefill] == [(f"model.layers.{i}.self_attn", True) for i in range(2)]
+    paths = [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert [(_path(r, paths), r.rewritten) for r in prefill] == [(p, True) for p in paths], backend.records
+    decode = [r for r in backend.records if r.decode]
+    assert len(decode) == 2 * len(paths) and all(r.rewritten for r in backend.records), backend.records

@@ -1,0 +1,170 @@
+"""Decode steps (SPEC §2, KV cache): a query shorter than its keys computes the last rows of the
+site's function, one graph for every cache length, so that greedy generation equals recomputing
+the dilated model on the whole prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ring_rewrite
+from conftest import rel_err
+from ring_rewrite.decode import decode_attention
+from ring_rewrite.reference import reference_attention
+from ring_rewrite.testing import assert_left_alone, capture
+
+CONFIGS = [(None, None), ([8, 16], [1, 2]), ([4, 8, 64], [1, 2, 4])]
+
+
+@pytest.mark.parametrize("segs, rates", CONFIGS, ids=["exact", "two-branches", "three-branches"])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "key-mask"])
+def test_decode_rows_are_the_last_rows_of_the_function(segs, rates, m, masked):
+    b, hq, hkv, n, d = 2, 4, 2, 37, 8
+    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    keep[1, ..., :5] = False
+    keep[0, ..., 3::7] = False
+    mask = keep if masked else None
+    branches = [(1 << 62, 1)] if segs is None else list(zip(segs, rates))
+    bias = None if mask is None else torch.where(mask, 0.0, float("-inf"))
+    out = decode_attention(q[:, :, -m:], k, v, bias, branches=branches, scale=d**-0.5, is_causal=False)
+    for causal in (False, True) if m == 1 else (False,):  # the last row: causal or not, the same
+        ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, is_causal=causal, key_bias=mask)
+        assert rel_err(out, ref[:, :, -m:]) < 1e-5
+
+
+class CachedAttention(nn.Module):
+    """One attention layer with a KV cache, as a decoder's step calls it: q from the new tokens,
+    k and v the cache with the new tokens' keys appended."""
+
+    def __init__(self, dim=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+
+    def split(self, x):
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x, cache_k, cache_v, mask=None):
+        k = torch.cat([cache_k, self.split(self.k(x))], 2)
+        v = torch.cat([cache_v, self.split(self.v(x))], 2)
+        out = F.scaled_dot_product_attention(self.split(self.q(x)), k, v, attn_mask=mask)
+        return out, k, v
+
+
+def _step(model, n, m=1):
+    x = torch.randn(2, m, 16)
+    cache_k, cache_v = torch.randn(2, 4, n - m, 4), torch.randn(2, 4, n - m, 4)
+    return x, cache_k, cache_v
+
+
+def _reference_step(model, x, cache_k, cache_v, segs, rates, mask=None):
+    """The same step's rows from the dense float64 reference over the whole prefix (the cache's
+    queries are not needed: only the last rows are compared)."""
+    with torch.no_grad():
+        k = torch.cat([cache_k, model.split(model.k(x))], 2)
+        v = torch.cat([cache_v, model.split(model.v(x))], 2)
+        q = model.split(model.q(x))
+        full_q = torch.cat([torch.zeros(2, 4, k.shape[2] - q.shape[2], 4), q], 2)
+        ref = reference_attention(full_q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=mask)
+    return ref[:, :, -q.shape[2]:]
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_one_graph_for_every_cache_length(compiler):
+    segs, rates = [8, 16], [1, 2]
+    model = CachedAttention()
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
+    compiled = torch.compile(model, backend=backend)
+    lengths = range(5, 5 + torch._dynamo.config.recompile_limit + 4)  # past the recompile limit
+    for n in lengths:
+        x, ck, cv = _step(model, n)
+        out, _, _ = compiled(x, ck, cv)
+        assert rel_err(out, _reference_step(model, x, ck, cv, segs, rates)) < 1e-5, n
+    # The first length, then one symbolic length for every later one (dynamo's automatic dynamic).
+    assert len(backend.records) == 2 and all(r.rewritten and r.decode for r in backend.records)
+
+
+def test_decode_with_a_key_mask():
+    segs, rates = [8, 16], [1, 2]
+    model = CachedAttention()
+    x, ck, cv = _step(model, 21)
+    keep = torch.ones(2, 1, 1, 21, dtype=torch.bool)
+    keep[1, ..., :4] = False
+    cap = capture(model, x, ck, cv, keep, segment_lengths=segs, dilation_rates=rates)
+    assert cap.records[0].decode
+    out, _, _ = torch.compile(model, backend=ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates))(
+        x, ck, cv, keep
+    )
+    assert rel_err(out, _reference_step(model, x, ck, cv, segs, rates, keep)) < 1e-5
+
+
+def test_decode_step_left_alone_where_it_is_not_the_last_rows():
+    class CausalStep(CachedAttention):
+        def forward(self, x, cache_k, cache_v):
+            k = torch.cat([cache_k, self.split(self.k(x))], 2)
+            v = torch.cat([cache_v, self.split(self.v(x))], 2)
+            return F.scaled_dot_product_attention(self.split(self.q(x)), k, v, is_causal=True)
+
+    model = CausalStep()
+    assert_left_alone(capture(model, *_step(model, 9, m=2)), site=0, reason="SDPA aligns it top-left")
+
+
+def test_decode_step_in_sharded_mode_raises():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    model = CachedAttention()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        backend = ring_rewrite.backend(compiler="eager", sharding="sharded")
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a decode step in sharded mode"):
+            torch.compile(model, backend=backend)(*_step(model, 9))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- a Hugging Face model's generate() ------------------------------------------------------------
+
+
+def test_generate_equals_recomputing_the_dilated_model(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    segs, rates = [8, 16], [1, 2]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa", pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 64, (2, 11))
+    keep = torch.ones(2, 11, dtype=torch.long)
+    keep[1, :3] = 0  # left padding
+    steps = torch._dynamo.config.recompile_limit + 4
+    sdpa = F.scaled_dot_product_attention
+
+    def reference_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out = reference_attention(
+            q, k, v, segment_lengths=segs, dilation_rates=rates, is_causal=is_causal, scale=scale, key_bias=attn_mask
+        )
+        return out.to(q.dtype)
+
+    want, mask = ids, keep
+    with torch.no_grad(), monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", reference_sdpa)
+        for _ in range(steps):  # the whole prefix every step, positions as generate makes them
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)
+            logits = model(want, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            want = torch.cat([want, logits[:, -1].argmax(-1, keepdim=True)], 1)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    assert F.scaled_dot_product_attention is sdpa
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler="aot_eager")
+    model.forward = torch.compile(model.forward, backend=backend)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=keep, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    assert torch.equal(got, want)
+    decode = [r for r in backend.records if r.decode]
+    assert decode and all(r.rewritten for r in backend.records)
+    assert len(backend.records) <= 3 * config.num_hidden_layers  # prefill, first step, every later step
