@@ -63,7 +63,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from ring_rewrite import kernels
 
 from ._fx import location
-from .masks import MaskStructure, mask_structure
+from .masks import MaskStructure, key_offset_reason, mask_structure
 
 __all__ = [
     "DataFlow",
@@ -75,6 +75,7 @@ __all__ = [
     "data_flow",
     "decode_reason",
     "dense_mask",
+    "dilated_decode_reason",
     "find_sdpa_sites",
     "is_decode_step",
     "unsupported_reason",
@@ -247,6 +248,45 @@ def decode_reason(site: SdpaSite) -> str | None:
         if not keys or lead[0] not in (1, q.shape[0]) or lead[1] not in (1, q.shape[1]):
             return f"a decode step with an attn_mask of shape {tuple(mask.shape)} (only key masks (B|1, H|1, 1, N))"
     return None
+
+
+def dilated_decode_reason(site: SdpaSite) -> str | None:
+    """Why a decode step's keys may not be the whole prefix at positions ``0 .. N - 1``, which a
+    dilated config needs (its segments and lattices are absolute; the exact config does not
+    care), or None. The keys must be a cache with the new tokens appended (``torch.cat`` on the
+    sequence dim, the last piece the query's length) and the mask, if any, must not place them
+    elsewhere (``masks.key_offset_reason``)."""
+    m = site.meta(site.query).shape[2]
+    for name, node in (("key", site.key), ("value", site.value)):
+        if not _appended(node, m):
+            return (
+                f"its {name}s are not a cache with the new tokens appended (torch.cat on the sequence "
+                "dim): a dilated decode step needs the whole prefix at positions 0 .. N-1 (a static "
+                "or sliding-window cache?)"
+            )
+    if site.attn_mask is not None:
+        reason = key_offset_reason(site.attn_mask)
+        if reason is not None:
+            return f"{reason}: a dilated decode step needs the whole prefix at positions 0 .. N-1"
+    return None
+
+
+_VIEWS = {"expand", "reshape", "view", "contiguous", "to", "unsqueeze", "flatten", "unflatten"}
+
+
+def _appended(node: fx.Node, m: int) -> bool:
+    """Whether ``node`` is, up to views (GQA's repeat included), ``torch.cat([cache, new], dim=2)``
+    with ``new`` of length ``m``."""
+    while node.op in ("call_method", "call_function") and (
+        node.target in _VIEWS or node.target in (operator.getitem, torch.reshape)
+    ):
+        node = node.args[0]
+    if node.op != "call_function" or node.target is not torch.cat:
+        return False
+    pieces = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    last = pieces[-1].meta.get("example_value") if isinstance(pieces[-1], fx.Node) else None
+    return dim in (2, -2) and isinstance(last, torch.Tensor) and last.dim() == 4 and last.shape[2] == m
 
 
 def display_shapes(site: SdpaSite) -> dict[str, tuple | None]:

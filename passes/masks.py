@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-__all__ = ["MaskStructure", "mask_structure", "key_mask"]
+__all__ = ["MaskStructure", "mask_structure", "key_mask", "key_offset_reason"]
 
 
 # ---- expressions ------------------------------------------------------------------------------
@@ -146,8 +146,9 @@ def _shape(node) -> tuple[int, ...]:
     v = _value(node)
     if v is None:
         raise NotStructured(f"{node} has no example value")
-    # NOTE: a symbolic size is specialised (guarded), as the site's own shapes are.
-    return tuple(guard_int(s) if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
+    # NOTE: sizes as they are: a symbolic one stays a symbol (a decode step's cache length);
+    # comparing it guards a relation, never a value.
+    return tuple(v.shape)
 
 
 class _Reader:
@@ -169,13 +170,16 @@ class _Reader:
     def operand(self, x, shape: tuple[int, ...]):
         """``x`` broadcast to ``shape``: its dims renamed to the result's, size-1 dims at 0."""
         e = self.expr(x)
-        if not isinstance(x, fx.Node):
+        if _value(x) is None:  # a Python number or a size: the same everywhere
             return e
         own = _shape(x)
         lead = len(shape) - len(own)
         return _subst(e, {i: Const(0) if s == 1 else Dim(i + lead) for i, s in enumerate(own)})
 
     def _read(self, node: fx.Node):
+        value = node.meta.get("example_value")
+        if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+            return Const(value)  # a size or offset computed in the graph
         try:
             return self._follow(node)
         except NotStructured:
@@ -283,7 +287,10 @@ class _Reader:
                 dims[source] = Const(i % own[source])
                 source += 1
             elif isinstance(i, slice):
-                start, _, step = i.indices(own[source])
+                # NOTE: not slice.indices: that would specialise a symbolic size.
+                start, step = i.start or 0, i.step or 1
+                if not isinstance(start, int) or start < 0 or not isinstance(step, int) or step < 1:
+                    raise ValueError(f"slice {i}")
                 dims[source] = Op("add", (Op("mul", (Dim(out), Const(step))), Const(start)))
                 source, out = source + 1, out + 1
             else:
@@ -306,14 +313,11 @@ class _Reader:
 
 
 def _int(x):
-    """An int argument; a symbolic size is specialised (guarded) to its value, as the site's
-    shapes are."""
+    """An int argument, or the symbol of one computed at run time (a cache's length)."""
     v = x.meta.get("example_value") if isinstance(x, fx.Node) else x
-    if isinstance(v, torch.SymInt):
-        return guard_int(v)
-    if isinstance(v, int):
+    if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
         return v
-    raise NotStructured("arange with bounds computed at run time")
+    raise NotStructured("arange with bounds that are no ints")
 
 
 def _arange(args, kwargs):
@@ -406,7 +410,7 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
         return f"dense attn_mask whose structure cannot be read ({error})"
     if band is None:
         return f"dense attn_mask of shape {shape} that depends on query and key positions in a way that is not a band"
-    lo, hi = band
+    lo, hi = (None if x is None else guard_int(x) if isinstance(x, torch.SymInt) else x for x in band)
     if lo is not None and hi is not None and lo > hi:
         return f"dense attn_mask that allows no key ({lo} <= t - p <= {hi})"
     return MaskStructure(lo, hi, tuple(keys), tuple(biases), full)
@@ -505,7 +509,7 @@ def _meet(a: tuple, b: tuple) -> tuple:
 
 def _linear(e) -> dict | None:
     """``e`` as ``{dim: coefficient, None: constant}`` if it is affine in dims, else None."""
-    if isinstance(e, Const) and isinstance(e.value, (int, float)) and not isinstance(e.value, bool):
+    if isinstance(e, Const) and isinstance(e.value, (int, float, torch.SymInt)) and not isinstance(e.value, bool):
         return {None: e.value}
     if isinstance(e, Dim):
         return {e.i: 1}
@@ -574,6 +578,32 @@ def _relative(c) -> tuple | None:
     if bound != int(bound):
         return 1, 0  # no integer d: nothing allowed
     return int(bound), int(bound)
+
+
+def key_offset_reason(mask: fx.Node) -> str | None:
+    """Why the keys of a decode step's ``mask`` may not sit at positions ``0 .. N - 1``, or
+    None: wherever its construction compares a key's position, that position must be the key's
+    index plus 0 (a sliding-window cache holds the last keys only and builds its mask with their
+    offset). Only an offset that the graph shows can be seen."""
+    try:
+        e = _Reader().expr(mask)
+    except NotStructured as error:
+        return f"its mask cannot be read to place the keys ({error})"
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Op):
+            stack.extend(x.args)
+            if x.name not in ("le", "lt", "ge", "gt", "eq", "ne"):
+                continue
+            for side in (_linear(a) for a in x.args):
+                keys = side is not None and any(k is not None for k, v in side.items() if v)
+                offset = 0 if side is None else side.get(None, 0)
+                if keys and not bool(offset == 0):
+                    return f"its mask places the keys at positions from {offset}, not 0 (a sliding-window cache?)"
+        elif isinstance(x, Data):
+            stack.extend(x.index)
+    return None
 
 
 # ---- the key mask, in the graph ---------------------------------------------------------------

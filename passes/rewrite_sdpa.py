@@ -64,7 +64,8 @@ from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, stamp, trace_subgraph
 from .find_sdpa import (
-    SdpaSite, bind_sdpa, decode_reason, dense_mask, display_shapes, find_sdpa_sites, is_decode_step,
+    SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
+    is_decode_step,
     static_strides, unsupported_reason,
 )  # fmt: skip
 from .masks import MaskStructure, key_mask
@@ -94,6 +95,8 @@ def rewrite_sdpa(
         index = len(sites)
         if is_decode_step(site):
             reason = decode_reason(site)
+            if reason is None and not config.is_exact:
+                reason = dilated_decode_reason(site)
             if reason is None and sharded(config):
                 reason = "a decode step in sharded mode (decode steps run in replicated mode or on one rank)"
             if reason is not None:

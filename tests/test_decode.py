@@ -168,3 +168,33 @@ def test_generate_equals_recomputing_the_dilated_model(monkeypatch):
     decode = [r for r in backend.records if r.decode]
     assert decode and all(r.rewritten for r in backend.records)
     assert len(backend.records) <= 3 * config.num_hidden_layers  # prefill, first step, every later step
+
+
+def test_dilated_decode_with_a_sliding_window_cache_is_left_alone():
+    """Mistral's sliding-window cache holds the last W - 1 keys and builds its decode mask with
+    their offset: under a dilated config (absolute segments and lattices) those steps are left
+    alone with the reason, never computed at the wrong positions; the exact config rewrites them."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa", pad_token_id=0, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(1, 64, (2, 11))
+    kwargs = dict(attention_mask=torch.ones(2, 11, dtype=torch.long), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    forward = model.forward
+    for options, decoded in (({"segment_lengths": [8, 16], "dilation_rates": [1, 2]}, False), ({}, True)):
+        torch._dynamo.reset()
+        backend = ring_rewrite.backend(compiler="aot_eager", **options)
+        model.forward = torch.compile(forward, backend=backend)
+        with torch.no_grad():
+            got = model.generate(ids, **kwargs)
+        steps = [r for r in backend.records if r.shapes["query"][2] == 1]
+        assert steps and all(r.decode == decoded for r in steps), backend.records
+        if not decoded:
+            assert all("sliding-window cache" in r.reason for r in steps)
+        else:
+            assert torch.equal(got, expected)
