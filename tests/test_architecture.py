@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = {
-    "attention", "config", "dilation", "kernels", "layout", "merge", "ops", "p2p", "reference",
-    "roles", "schedule",
+    "attention", "config", "decode", "dilation", "kernels", "layout", "merge", "ops", "p2p",
+    "reference", "roles", "schedule",
 }  # fmt: skip
 FRONT = {"__init__", "backend", "recompiles", "report", "testing", "pytest_plugin"}
 LAYERS = {"runtime": 0, "passes": 1, "front": 2}

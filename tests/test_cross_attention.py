@@ -122,19 +122,25 @@ LEFT_ALONE = [
                  "but key/value from memory", id="latents"),
     pytest.param("shifted-input", N, "cross attention: key/value come out of the attention at site 0 "
                  "(test_cross_attention.py:", id="shifted-input"),
-    pytest.param("kv-cache", N // 2, "query length 16 != key/value length 24/24: a KV cache / decode step",
-                 id="kv-cache"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("case, memory, reason", LEFT_ALONE)
 def test_site_left_alone_with_its_reason(case, memory, reason):
-    width = 2 * E if case == "kv-cache" else E  # a cache: keys and values of earlier tokens
-    inputs = torch.randn(B, N, E), torch.randn(B, memory, width), torch.arange(N).expand(B, N)
+    inputs = torch.randn(B, N, E), torch.randn(B, memory, E), torch.arange(N).expand(B, N)
     cap = capture(Attention(case), *inputs, fullgraph=True)
     site = len(cap.records) - 1  # the last: after the encoder's with "shifted-input"
     record = assert_left_alone(cap, site=site, reason=reason)
     assert counters["ring_rewrite"]["skipped"] == 1, record
+
+
+def test_keys_of_a_cache_and_the_query_make_a_decode_step():
+    """A query shorter than keys of the cache and its own sequence: self attention, rewritten as a
+    decode step (tests/test_decode.py), never as cross attention."""
+    inputs = torch.randn(B, N, E), torch.randn(B, N // 2, 2 * E), torch.arange(N).expand(B, N)
+    cap = capture(Attention("kv-cache"), *inputs, fullgraph=True)
+    (record,) = cap.records
+    assert record.rewritten and record.decode, record
 
 
 def test_raw_query_against_projected_keys_is_cross_attention():
