@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-__all__ = ["MaskStructure", "mask_structure", "key_mask", "key_offset_reason"]
+__all__ = ["MaskStructure", "mask_structure", "key_mask", "key_offset_reason", "key_values"]
 
 
 # ---- expressions ------------------------------------------------------------------------------
@@ -202,6 +202,8 @@ class _Reader:
             return Op(_NAMES[target], tuple(self.operand(a, shape) for a in args[:2]))
         if target in _NOT or target in _NEG:
             return Op("not" if target in _NOT else "neg", (self.operand(args[0], shape),))
+        if target in (torch.abs, "abs", "__abs__", abs):
+            return Op("abs", (self.operand(args[0], shape),))
         if target is torch.where and len(args) == 3:
             return Op("where", tuple(self.operand(a, shape) for a in args))
         if target == "masked_fill":
@@ -361,6 +363,14 @@ class MaskStructure:
     """Float expressions over ``(b, h, t)``, added to the scores."""
     shape: tuple[int, ...] = ()
     """The mask's shape, as 4-D ``(B|1, H|1, N, N)``."""
+    documents: Any = None
+    """An expression over ``(b, t)``: key ``t`` reaches query ``p`` only if both have the same
+    value (a document id, read from ``doc[b, p] == doc[b, t]``), or None."""
+    positions: Any = None
+    """An expression over ``(b, t)`` the band compares instead of ``t`` itself (transformers
+    compares ``position_ids`` values in packed sequences), or None. Then the band holds for
+    positions only if ``positions - t`` is constant within each document: checked at run time
+    (``ops.documents``), an O(N log N) guard that raises."""
 
     @property
     def has_keys(self) -> bool:
@@ -368,8 +378,10 @@ class MaskStructure:
 
     @property
     def data(self) -> list[fx.Node]:
-        """The graph tensors the key mask reads, in order, once each."""
-        return list(dict.fromkeys(n for e in (*self.keys, *self.biases) for n in _data(e)))
+        """The graph tensors the key mask, the documents and the positions read, in order, once
+        each."""
+        exprs = (*self.keys, *self.biases, *(e for e in (self.documents, self.positions) if e is not None))
+        return list(dict.fromkeys(n for e in exprs for n in _data(e)))
 
     @property
     def absolute_keys(self) -> bool:
@@ -387,6 +399,8 @@ class MaskStructure:
             parts.append(f"window {1 - self.lo}" if self.hi == 0 else f"t - p >= {self.lo}")
         if self.has_keys:
             parts.append("key mask")
+        if self.documents is not None:
+            parts.append("documents")
         return ", ".join(parts) or "all keys"
 
 
@@ -400,12 +414,11 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
         full = (1,) * (4 - len(shape)) + shape
         reader = _Reader()
         e = reader.operand(mask, full)
+        parts = _Parts()
         if _value(mask).dtype == torch.bool:
-            keys, biases = [], []
-            band = _conjuncts(e, keys)
+            band = _conjuncts(e, parts)
         else:
-            keys, biases = [], []
-            band = _additive(e, keys, biases)
+            band = _additive(e, parts)
     except NotStructured as error:
         return f"dense attn_mask whose structure cannot be read ({error})"
     if band is None:
@@ -413,10 +426,24 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
     lo, hi = (None if x is None else guard_int(x) if isinstance(x, torch.SymInt) else x for x in band)
     if lo is not None and hi is not None and lo > hi:
         return f"dense attn_mask that allows no key ({lo} <= t - p <= {hi})"
-    return MaskStructure(lo, hi, tuple(keys), tuple(biases), full)
+    if len(parts.documents) > 1 or len(parts.positions) > 1:
+        return "dense attn_mask with more than one document id or position tensor"
+    documents = parts.documents[0] if parts.documents else None
+    positions = parts.positions[0] if parts.positions else None
+    return MaskStructure(lo, hi, tuple(parts.keys), tuple(parts.biases), full, documents, positions)
 
 
-def _additive(e, keys: list, biases: list):
+@dataclasses.dataclass
+class _Parts:
+    """What the conjuncts of a mask are, as they are found."""
+
+    keys: list = dataclasses.field(default_factory=list)
+    biases: list = dataclasses.field(default_factory=list)
+    documents: list = dataclasses.field(default_factory=list)
+    positions: list = dataclasses.field(default_factory=list)
+
+
+def _additive(e, parts: _Parts):
     """A float mask: a sum of ``where(allowed, x, -inf)`` terms (``masked_fill(~allowed, -inf)``
     alike) and key biases; returns the band (or None)."""
     band: tuple = (None, None)
@@ -426,7 +453,7 @@ def _additive(e, keys: list, biases: list):
         if _is(term, 0):
             continue
         if _P not in _dims(term):
-            biases.append(term)
+            parts.biases.append(term)
             continue
         if not (isinstance(term, Op) and term.name == "where"):
             return None
@@ -437,7 +464,7 @@ def _additive(e, keys: list, biases: list):
             allowed, rest = Op("not", (cond,)), no
         else:
             return None
-        got = _conjuncts(allowed, keys)
+        got = _conjuncts(allowed, parts)
         if got is None:
             return None
         band = _meet(band, got)
@@ -455,9 +482,9 @@ def _is(e, value) -> bool:
     return isinstance(e, Const) and e.value == value
 
 
-def _conjuncts(e, keys: list):
-    """Split a bool expression into key conjuncts (appended to ``keys``) and a band; None where
-    a conjunct reads the query position otherwise."""
+def _conjuncts(e, parts: _Parts):
+    """Split a bool expression into key conjuncts, documents and positions (into ``parts``) and
+    a band; None where a conjunct reads the query position otherwise."""
     band: tuple = (None, None)
     for c in _and_terms(e):
         if isinstance(c, Const):
@@ -465,20 +492,50 @@ def _conjuncts(e, keys: list):
                 continue
             return None  # nothing allowed
         if _P not in _dims(c):
-            keys.append(c)
+            parts.keys.append(c)
             continue
         if _every_position(c):
+            continue
+        documents = _same_document(c)
+        if documents is not None:
+            if documents not in parts.documents:
+                parts.documents.append(documents)
             continue
         got = _relative(c)
         if got is None:
             return None
-        band = _meet(band, got)
+        (lo, hi), positions = got
+        if positions is not None and positions not in parts.positions:
+            parts.positions.append(positions)
+        band = _meet(band, (lo, hi))
     return band
+
+
+def _as_key(e):
+    """``e`` with the query position read as the key position."""
+    return _subst(e, {_B: Dim(_B), _H: Dim(_H), _P: Dim(_T), _T: Dim(_T)})
+
+
+def _same_document(c):
+    """``f(b, p) == f(b, t)`` as ``f`` over keys, else None."""
+    if not (isinstance(c, Op) and c.name == "eq"):
+        return None
+    for a, b in (c.args, c.args[::-1]):
+        da, db = _dims(a), _dims(b)
+        if _P in da and _T not in da and _T in db and _P not in db and _as_key(a) == b:
+            return b
+    return None
 
 
 def _and_terms(e) -> list:
     if isinstance(e, Op) and e.name == "and":
         return [t for a in e.args for t in _and_terms(a)]
+    if isinstance(e, Op) and e.name in ("le", "lt", "ge", "gt"):
+        small, big = e.args if e.name in ("le", "lt") else e.args[::-1]
+        if isinstance(small, Op) and small.name == "abs":  # |x| <= c: x <= c and -x <= c
+            name = "le" if e.name in ("le", "ge") else "lt"
+            (x,) = small.args
+            return [Op(name, (x, big)), Op(name, (Op("neg", (x,)), big))]
     if isinstance(e, Op) and e.name == "not":
         (a,) = e.args
         if isinstance(a, Op) and a.name == "or":  # De Morgan
@@ -513,6 +570,12 @@ def _linear(e) -> dict | None:
         return {None: e.value}
     if isinstance(e, Dim):
         return {e.i: 1}
+    if isinstance(e, Data):
+        try:
+            hash(e)
+        except TypeError:  # a symbolic size inside: not a variable this reads
+            return None
+        return {e: 1}
     if not isinstance(e, Op):
         return None
     if e.name in ("add", "sub"):
@@ -553,31 +616,46 @@ def _every_position(c) -> bool:
     return holds and (a <= 0 if c.name in ("le", "lt") else a >= 0)
 
 
-def _relative(c) -> tuple | None:
-    """A comparison ``a (t - p) + c0 <op> 0`` as the band ``(lo, hi)`` of ``t - p``, or None."""
+def _relative(c):
+    """A comparison ``a (x(t) - x(p)) + c0 <op> 0`` as the band ``(lo, hi)`` of ``x(t) - x(p)``
+    and ``x`` (None for the position itself, else a tensor's values over keys), or None."""
     if not (isinstance(c, Op) and c.name in ("le", "lt", "ge", "gt", "eq")):
         return None
     lhs, rhs = (_linear(x) for x in c.args)
     if lhs is None or rhs is None:
         return None
     diff = {k: lhs.get(k, 0) - rhs.get(k, 0) for k in lhs.keys() | rhs.keys()}
-    a, c0 = diff.get(_T, 0), diff.get(None, 0)
-    if a == 0 or diff.get(_P, 0) != -a or any(v for k, v in diff.items() if k not in (_T, _P, None)):
+    variables = {k: v for k, v in diff.items() if k is not None and v}
+    keys = [k for k in variables if k == _T or (isinstance(k, Data) and _T in _dims(k) and _P not in _dims(k))]
+    queries = [k for k in variables if k == _P or (isinstance(k, Data) and _P in _dims(k) and _T not in _dims(k))]
+    if len(keys) != 1 or len(queries) != 1 or len(variables) != 2:
         return None
-    # a * d + c0 <op> 0 with d = t - p, an integer.
-    bound = -c0 / a
+    (xt,), (xp,) = keys, queries
+    a, c0 = variables[xt], diff.get(None, 0)
+    if variables[xp] != -a:
+        return None
+    if isinstance(xt, Data) != isinstance(xp, Data) or (isinstance(xt, Data) and _as_key(xp) != xt):
+        return None
+    positions = xt if isinstance(xt, Data) else None
+    # a * d + c0 <op> 0 with d = x(t) - x(p), an integer.
     name = c.name if a > 0 else {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt", "eq": "eq"}[c.name]
+    if abs(a) == 1:
+        bound = -c0 * a  # exact, also for a symbolic offset
+        floor = ceil = bound
+    else:
+        bound = -c0 / a
+        floor, ceil = math.floor(bound), math.ceil(bound)
     if name == "le":
-        return None, math.floor(bound)
+        return (None, floor), positions
     if name == "lt":
-        return None, math.ceil(bound) - 1
+        return (None, ceil - 1), positions
     if name == "ge":
-        return math.ceil(bound), None
+        return (ceil, None), positions
     if name == "gt":
-        return math.floor(bound) + 1, None
-    if bound != int(bound):
-        return 1, 0  # no integer d: nothing allowed
-    return int(bound), int(bound)
+        return (floor + 1, None), positions
+    if floor != ceil:
+        return (1, 0), positions  # no integer d: nothing allowed
+    return (floor, floor), positions
 
 
 def key_offset_reason(mask: fx.Node) -> str | None:
@@ -613,8 +691,30 @@ def key_mask(structure: MaskStructure, dtype: torch.dtype, *data: torch.Tensor) 
     """The key conjuncts and biases as an additive bias ``(B|1, H|1, N)`` in ``dtype`` (0 or
     ``-inf`` where a conjunct masks, plus the biases); ``data`` are the tensors
     ``structure.data`` names, in order (proxies while the rewrite traces this)."""
+    index, tensors = _key_index(structure, data)
+    n = structure.shape[3]
+    bias = torch.zeros(1, 1, 1, n, dtype=dtype, device=data[0].device if data else None)
+    for e in structure.keys:
+        bias = bias.masked_fill(~_evaluate(e, index, tensors).to(torch.bool), _NEG_INF)
+    for e in structure.biases:
+        bias = bias + _evaluate(e, index, tensors)
+    lead = (b if _B in _uses(structure) else 1, h if _H in _uses(structure) else 1)
+    return bias.expand(*lead, 1, n).reshape(*lead, n)
+
+
+def key_values(structure: MaskStructure, e, *data: torch.Tensor) -> torch.Tensor:
+    """An expression over ``(b, t)`` (``structure.documents`` or ``.positions``) evaluated over
+    the keys: ``(B|1, N)``."""
+    index, tensors = _key_index(structure, data)
+    b, n = structure.shape[0], structure.shape[3]
+    values = _evaluate(e, index, tensors)
+    if isinstance(values, (bool, int, float)):
+        values = torch.full((1, 1, 1, n), values, device=data[0].device if data else None)
+    return values.expand(b if _B in _dims(e) else 1, 1, 1, n).reshape(-1, n)
+
+
+def _key_index(structure: MaskStructure, data) -> tuple[dict, dict]:
     b, h, _, n = structure.shape
-    tensors = dict(zip(structure.data, data))
     device = data[0].device if data else None
     index = {
         _B: torch.arange(b, device=device).view(b, 1, 1, 1),
@@ -622,13 +722,7 @@ def key_mask(structure: MaskStructure, dtype: torch.dtype, *data: torch.Tensor) 
         _P: 0,
         _T: torch.arange(n, device=device).view(1, 1, 1, n),
     }
-    bias = torch.zeros(1, 1, 1, n, dtype=dtype, device=device)
-    for e in structure.keys:
-        bias = bias.masked_fill(~_evaluate(e, index, tensors).to(torch.bool), _NEG_INF)
-    for e in structure.biases:
-        bias = bias + _evaluate(e, index, tensors)
-    lead = (b if _B in _uses(structure) else 1, h if _H in _uses(structure) else 1)
-    return bias.expand(*lead, 1, n).reshape(*lead, n)
+    return index, dict(zip(structure.data, data))
 
 
 def _uses(structure: MaskStructure) -> set[int]:

@@ -68,7 +68,7 @@ from .find_sdpa import (
     is_decode_step,
     static_strides, unsupported_reason,
 )  # fmt: skip
-from .masks import MaskStructure, key_mask
+from .masks import MaskStructure, key_mask, key_values
 from .records import TOUCHED, SiteRecord, leave_alone, records, sharded
 
 __all__ = ["NAME", "rewrite_sdpa"]
@@ -198,6 +198,11 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
     mode, on a padded sequence where the ranks cannot share the length as it is (Note [Padding
     the sequence] in ring_rewrite/attention.py), else whole on every rank (Note [Whole on every
     rank])."""
+    if structure is not None and structure.documents is not None and config.sharding == "sharded" and world > 1:
+        raise ValueError(
+            "its mask keeps documents apart (doc[p] == doc[t]); in sharded mode each rank would "
+            "compute document ids from its own shard only: use replicated mode"
+        )
     if structure is not None and structure.absolute_keys and config.sharding == "sharded" and world > 1:
         raise ValueError(
             f"its mask ({structure.describe()}) reads key positions as numbers, which in sharded "
@@ -250,6 +255,7 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         is_causal=bool(site.is_causal) or (structure is not None and structure.hi == 0),
         has_mask=site.attn_mask is not None if structure is None else structure.has_keys,
         band=_band(structure),
+        documents=structure is not None and structure.documents is not None,
         branches=config.branches(n_global),
         world=world,
         rank=rank,
@@ -270,6 +276,17 @@ def _band(structure: MaskStructure | None) -> tuple[int | None, int | None] | No
     if hi == 0:
         hi = None  # is_causal
     return None if lo is None and hi is None else (lo, hi)
+
+
+def _documents(structure: MaskStructure, *data: torch.Tensor, where: str) -> torch.Tensor:
+    """Each position's document id ``(B|1, 1, N, 1)``, checked against the positions the mask's
+    band compares, if it compares tensor values (``ops.documents``)."""
+    docs = key_values(structure, structure.documents, *data)
+    shift = None
+    if structure.positions is not None:
+        n = docs.shape[-1]
+        shift = key_values(structure, structure.positions, *data) - torch.arange(n, device=docs.device)
+    return torch.ops.ring_rewrite.documents(docs, shift, where).unsqueeze(1).unsqueeze(-1)
 
 
 def _key_bias(
@@ -300,7 +317,13 @@ def _rewrite_site(
                 bias = emit(tracer, functools.partial(key_mask, structure, plan.dtype), *structure.data)
             args.append(bias)
             names.append("mask")
-        elif structure is None and site.attn_mask is not None:
+        if structure is not None and structure.documents is not None:
+            tracer = RoleTracer(graph, index, stack)
+            with role("mask"):
+                docs = emit(
+                    tracer, functools.partial(_documents, structure, where=site.location), *structure.data
+                )
+        if structure is None and site.attn_mask is not None:
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):
                 bias = emit(
@@ -315,6 +338,9 @@ def _rewrite_site(
                 )
             args.append(bias)
             names.append("mask")
+        if plan.documents:
+            args.append(docs)
+            names.append("docs")
         if plan.world > 1:
             timeout_ms = round(config.timeout * 1000)
             token = graph.call_function(

@@ -115,12 +115,16 @@ class SitePlan:
     band: tuple[int | None, int | None] | None = None
     """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
     top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands])."""
+    documents: bool = False
+    """Key ``t`` reaches query ``p`` only within the same document: the site's calls take
+    ``docs (B|1, 1, N, 1)``, the document id of every position (replicated mode or one rank:
+    every rank holds them all; Note [Bands])."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0, band=None,
+        pad=0, dropout=0.0, band=None, documents=False,
     ):  # fmt: skip
         pieces = world * shard_parts(layout)
         if world > 1 and n % pieces:
@@ -138,7 +142,7 @@ class SitePlan:
         ranks = global_ranks(group_name) if group_name else tuple(range(world))
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
-            world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band,
+            world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band, documents,
         )  # fmt: skip
 
     @property
@@ -307,19 +311,23 @@ def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> list[int]:
     return [rank * size, (2 * plan.world - 1 - rank) * size]
 
 
-def _band_args(plan: SitePlan, branch: BranchPlan, blk: Block, step: int | None, like: torch.Tensor):
+def _band_args(
+    plan: SitePlan, branch: BranchPlan, blk: Block, step: int | None, like: torch.Tensor,
+    docs: torch.Tensor | None = None, heads: slice = slice(None),
+):  # fmt: skip
     """The band arguments of one block call (Note [Bands]): ``{}`` when the band masks none of
     its pairs, None when it masks all of them (the block is skipped), else ``band``, ``qpos``
-    and ``kpos``."""
-    if plan.band is None:
+    and ``kpos``, and with documents ``qdoc`` and ``kdoc`` of the block's rows (query heads
+    ``heads``)."""
+    if plan.band is None and not plan.documents:
         return {}
-    lo, hi = plan.band
+    lo, hi = plan.band or (None, None)
     m, r = branch.layout.m, branch.layout.r
     qs = _starts(plan, branch, None)[blk.q0 : blk.q1]
     ks = _starts(plan, branch, 0 if step is None else step)[blk.k0 : blk.k1]
     d_min = min(ks) - max(qs) - (m - 1) * r
     d_max = max(ks) + (m - 1) * r - min(qs)
-    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi):
+    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi) and not plan.documents:
         return {}
     skip = (lo is not None and d_max < lo) or (hi is not None and d_min > hi)
     if skip and (lo is None or lo <= 0) and (hi is None or hi >= 0):
@@ -332,7 +340,25 @@ def _band_args(plan: SitePlan, branch: BranchPlan, blk: Block, step: int | None,
         return torch.cat([rows + s for s in starts]) if len(starts) > 1 else rows + starts[0]
 
     band = [BAND_OPEN if x is None else x for x in (lo, hi)]
-    return {"band": band, "qpos": positions(qs), "kpos": positions(ks)}
+    args = {"band": band, "qpos": positions(qs), "kpos": positions(ks)}
+    if plan.documents:
+        args["qdoc"] = _doc_rows(plan, branch, docs, None, blk.q0, blk.q1, heads)
+        args["kdoc"] = _doc_rows(plan, branch, docs, step, blk.k0, blk.k1, heads)
+    return args
+
+
+def _doc_rows(plan, branch, docs, step, p0, p1, heads) -> torch.Tensor:
+    """Document ids of a block's rows, per query head (each head its lattice offset), in the
+    order of the block's rows: this rank's (``step`` None) or those of the K/V held at ``step``;
+    ``docs`` covers the whole (padded) sequence."""
+    layout = branch.layout
+    if plan.world > 1:
+        rank = plan.rank if step is None else branch.ring[(branch.position - step) % len(branch.ring)]
+        docs = take_shard(docs, 2, plan.n, world=plan.world, rank=rank, layout=plan.layout)
+    ids = layout.dilate_q(docs.expand(plan.batch, plan.hq, -1, 1), fill=-1)[:, heads]
+    if branch.is_local:
+        return ids.squeeze(-1)
+    return _rows(ids, layout, p0, p1, ids.shape[1]).squeeze(-1)
 
 
 # ---- forward -------------------------------------------------------------------------------
@@ -354,21 +380,21 @@ def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
 
 
-def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed):
+def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed, docs):
     """Out and lse of one ring branch, dilated, one head chunk after another."""
     outs, lses = [], []
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
         out, lse = _ring_forward_chunk(
             plan, ring, i, c, branch, heads, qd[:, qh], kd[:, kh], vd[:, kh],
-            None if bias is None else bias[:, qh], seed,
+            None if bias is None else bias[:, qh], seed, docs, qh,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
     return _cat_heads(outs), _cat_heads(lses)
 
 
-def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed):
+def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed, docs, qh):
     """Out and lse of one head chunk of a ring branch; K/V travel while each step computes, and
     so does their key bias (a mask), if any."""
     layout = branch.layout
@@ -385,7 +411,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed)
         computed = []
         held, held_bias = _held(kv)
         for j, blk in enumerate(blocks):
-            band = _band_args(plan, branch, blk, step, qd)
+            band = _band_args(plan, branch, blk, step, qd, docs, qh)
             if band is None:
                 continue
             with role("attention", branch=i, step=step):
@@ -424,7 +450,7 @@ def _dilate(plan: SitePlan, layout, *xs, kv: bool = False, upcast: bool = True):
     return [dilate(x).to(plan.compute_dtype) for x in xs]
 
 
-def site_forward(plan: SitePlan, q, k, v, mask=None, token=None, seed=None):
+def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None):
     """``(q, k, v[, mask][, token][, seed]) -> (out, saved)``; ``mask`` is an additive key bias
     ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
     transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout."""
@@ -434,6 +460,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None, seed=None):
         mp = _padded_keys(plan, q, mask)
         ql, kl, vl = _local(plan, qp), _local(plan, kp), _local(plan, vp)
         ml = None if mp is None else _local(plan, mp)
+        dp = None if docs is None else _padded(plan, docs)[0]
     outs, lses = [], []
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
@@ -446,18 +473,18 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None, seed=None):
             with role("attention", branch=i):
                 od, lsed = torch.ops.ring_rewrite.block_attention(
                     qd, kd, vd, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
-                    **_band_args(plan, branch, blk, None, qd),
+                    **_band_args(plan, branch, blk, None, qd, dp),
                 )
         else:
             ring = _ring(rotater, i, branch)
-            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed)
+            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed, dp)
         with role("undilate", branch=i):
             outs.append(layout.undilate_q(od))
             lses.append(layout.undilate_q(lsed.unsqueeze(-1), _NEG_INF).squeeze(-1))
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse] + [x for x in (mask, rotater.token, seed) if x is not None]
+    saved = [q, k, v, out, lse] + [x for x in (mask, docs, rotater.token, seed) if x is not None]
     if plan.gathers:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
@@ -468,7 +495,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, token=None, seed=None):
 # ---- backward ------------------------------------------------------------------------------
 
 
-def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed):
+def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, docs):
     """dq and, back at their owner, dk and dv of one ring branch (all dilated, ``stat_dtype``), one
     head chunk after another.
 
@@ -481,7 +508,7 @@ def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed)
         heads = (qh.stop - qh.start, kh.stop - kh.start)
         dq, landed, landing = _ring_backward_chunk(
             plan, ring, i, c, branch, heads, dod[:, qh], qd[:, qh], kd[:, kh], vd[:, kh],
-            od[:, qh], lsed[:, qh], None if bias is None else bias[:, qh], seed, landing,
+            od[:, qh], lsed[:, qh], None if bias is None else bias[:, qh], seed, landing, docs, qh,
         )  # fmt: skip
         dqs.append(dq)
         if landed is not None:
@@ -502,7 +529,7 @@ def _land(ring, i, branch, landing, after):
 
 
 def _ring_backward_chunk(
-    plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, seed, landing
+    plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, seed, landing, docs, qh
 ):
     """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (which landed
     during this chunk's first step; None for the first chunk), and this chunk's dk and dv still
@@ -530,7 +557,7 @@ def _ring_backward_chunk(
         computed = []
         held, held_bias = _held(kv)
         for j, blk in enumerate(blocks):
-            band = _band_args(plan, branch, blk, step, qd)
+            band = _band_args(plan, branch, blk, step, qd, docs, qh)
             if band is None:
                 continue
             with role("attention_backward", branch=i, step=step):
@@ -590,7 +617,7 @@ def _or_zeros(plan: SitePlan, part, layout, heads: int, channels: int, like: tor
     return like.new_zeros(shape, dtype=plan.stat_dtype)
 
 
-def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None, seed=None):
+def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
     token and the seed)."""
     with role("p2p"):
@@ -602,6 +629,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
         mp = _padded_keys(plan, q, mask)
         ql, kl, vl, dol = (_local(plan, x) for x in padded)
         ml = None if mp is None else _local(plan, mp)
+        dp = None if docs is None else _padded(plan, docs)[0]
     dq = dk = dv = None
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
@@ -615,11 +643,11 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
             with role("attention_backward", branch=i):
                 dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
                     dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
-                    **_band_args(plan, branch, blk, None, qd),
+                    **_band_args(plan, branch, blk, None, qd, dp),
                 )
         else:
             dqd, dkd, dvd = _ring_backward(
-                plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias, seed
+                plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp
             )
         with role("undilate", branch=i):
             dq = _acc(plan, dq, layout.undilate_q(dqd))
@@ -631,4 +659,4 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, token=None
         with role("shard"):
             for j, g in enumerate(grads):
                 grads[j] = _unpadded(plan, _gather(plan, rotater, g, 1 + j))
-    return (*grads, *(None for x in (mask, token, seed) if x is not None))
+    return (*grads, *(None for x in (mask, docs, token, seed) if x is not None))

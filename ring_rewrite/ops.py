@@ -28,7 +28,7 @@ import torch
 
 from .kernels import block_kernel, dropout_backward, dropout_forward
 
-__all__ = ["block_attention", "block_attention_backward", "stat_dtype"]
+__all__ = ["block_attention", "block_attention_backward", "documents", "stat_dtype"]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,9 +68,10 @@ BAND_CHUNK = 1 << 22
 """Scores per chunk of query rows when a band is applied (Note [Bands in blocks])."""
 
 
-def _band_chunks(q, k, bias, is_causal, band, qpos, kpos):
+def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc):
     """Query rows ``[r0, r1)`` of each chunk and the chunk's additive bias ``(B|1, H|1, rows,
-    S)``: the key bias plus ``-inf`` outside the band (and above the diagonal when causal)."""
+    S)``: the key bias plus ``-inf`` outside the band (and above the diagonal when causal), and
+    between different documents."""
     lo, hi = band
     if is_causal:
         hi = 0 if hi is None else min(hi, 0)
@@ -84,8 +85,11 @@ def _band_chunks(q, k, bias, is_causal, band, qpos, kpos):
             allowed &= d >= lo
         if hi is not None:
             allowed &= d <= hi
+        allowed = allowed.view(1, 1, r1 - r0, -1)
+        if qdoc is not None:
+            allowed = allowed & (qdoc[:, :, r0:r1, None] == kdoc[:, :, None, :])
         mask = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-        yield r0, r1, mask.view(1, 1, r1 - r0, -1) if bias is None else bias + mask
+        yield r0, r1, mask if bias is None else bias + mask
 
 
 @torch.library.custom_op("ring_rewrite::block_attention", mutates_args=())
@@ -102,11 +106,14 @@ def block_attention(
     band: list[int] | None = None,
     qpos: torch.Tensor | None = None,
     kpos: torch.Tensor | None = None,
+    qdoc: torch.Tensor | None = None,
+    kdoc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if band is None:
         return _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block)
+    chunks = _band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos, qdoc, kdoc)
     outs, lses = [], []
-    for c, (r0, r1, chunk_bias) in enumerate(_band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos)):
+    for c, (r0, r1, chunk_bias) in enumerate(chunks):
         chunk_block = None if block is None else [*block, c]
         out, lse = _attend(q[:, :, r0:r1], k, v, chunk_bias, scale, False, dropout_p, seed, chunk_block)
         outs.append(out)
@@ -126,7 +133,8 @@ BAND_OPEN = -(1 << 62)
 
 
 @block_attention.register_fake
-def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None):
+def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None,
+      qdoc=None, kdoc=None):  # fmt: skip
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=stat_dtype(q.dtype))
     return out, lse
@@ -149,6 +157,8 @@ def block_attention_backward(
     band: list[int] | None = None,
     qpos: torch.Tensor | None = None,
     kpos: torch.Tensor | None = None,
+    qdoc: torch.Tensor | None = None,
+    kdoc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
@@ -156,7 +166,8 @@ def block_attention_backward(
         return _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block)
     dqs, dk, dv = [], None, None
     acc = stat_dtype(q.dtype)
-    for c, (r0, r1, chunk_bias) in enumerate(_band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos)):
+    chunks = _band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos, qdoc, kdoc)
+    for c, (r0, r1, chunk_bias) in enumerate(chunks):
         rows = slice(r0, r1)
         chunk_block = None if block is None else [*block, c]
         dq_c, dk_c, dv_c = _attend_backward(
@@ -176,8 +187,34 @@ def _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p,
 
 
 @block_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None):
+def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None,
+      kpos=None, qdoc=None, kdoc=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("ring_rewrite::documents", mutates_args=())
+def documents(docs: torch.Tensor, shift: torch.Tensor | None, where: str) -> torch.Tensor:
+    """``docs (B|1, N)``, the document id of each key, after checking that ``shift`` (positions
+    a mask compares, minus the keys' own) is constant within each document, so that comparing
+    those positions is comparing the keys' (``passes/masks.py``, ``MaskStructure.positions``).
+    Raises naming ``where`` otherwise: never a different function."""
+    if shift is not None:
+        b = max(docs.shape[0], shift.shape[0])
+        d, s = docs.expand(b, -1), shift.expand(b, -1)
+        order = d.argsort(dim=-1, stable=True)
+        d, s = d.gather(-1, order), s.gather(-1, order)
+        if bool(((d[:, 1:] == d[:, :-1]) & (s[:, 1:] != s[:, :-1])).any()):
+            raise ValueError(
+                f"ring_dilated: the mask of the site at {where} compares position values that do "
+                "not step by one within a document (position_ids of a packed sequence must count "
+                "up by one inside each sequence); its structure does not hold for these inputs"
+            )
+    return docs.clone()
+
+
+@documents.register_fake
+def _(docs, shift, where):
+    return docs.new_empty(docs.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -230,3 +230,120 @@ def _cases(rank, world, cases, compiler):
 )
 def test_ring_matches_reference(world, cases, compiler):
     run_ranks(world, _cases, cases, compiler)
+
+
+# ---- documents (packed sequences) ---------------------------------------------------------------
+
+
+def hf_packed(q, pos):
+    """transformers' packed-sequence mask from ``position_ids`` (no attention_mask, no cache):
+    documents where the positions restart, causal on the position values."""
+    b, n = pos.shape
+    diff = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
+    seg = (diff != 1).cumsum(-1)
+    batch = torch.arange(b)[:, None, None, None]
+    q_idx, kv_idx = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+    mask = q_idx.new_ones((), dtype=torch.bool) & (pos[batch, kv_idx] <= pos[batch, q_idx])
+    mask = mask & (seg[batch, q_idx] == seg[batch, kv_idx])
+    return mask.expand(b, -1, n, n)
+
+
+def doc_window(q, doc):
+    """Document ids given, a window on the indices, not causal."""
+    i = torch.arange(q.shape[2])
+    d = i.view(1, -1) - i.view(-1, 1)
+    return (d.abs() <= W) & (doc[:, None, :, None] == doc[:, None, None, :])
+
+
+def _packed(b: int, n: int) -> torch.Tensor:
+    """Position ids of packed sequences: each row restarts at its own boundaries."""
+    pos = torch.empty(b, n, dtype=torch.long)
+    for row, cuts in enumerate(([0, n // 3, n // 2], [0, 5, n - 7])[:b]):
+        for start, stop in zip(cuts, [*cuts[1:], n]):
+            pos[row, start:stop] = torch.arange(stop - start)
+    return pos
+
+
+def _check_documents(build, data, segs, rates, compiler, *, world=1, rank=0, n=48):
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 4, n, 8)
+    mask = build(torch.empty(2, 1, n, 1), data)
+    ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=mask)
+    expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
+    torch._dynamo.reset()
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
+
+    def attend(q, k, v, data):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, data))
+
+    out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v, data)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    errors = [rel_err(a, b) for a, b in zip((out, *grads), expected)]
+    assert max(errors) < BOUND, (rank, build.__name__, segs, errors)
+    (record,) = backend.records
+    assert record.rewritten and record.plan.documents and record.plan.world == world
+
+
+DOCUMENTS = [(hf_packed, _packed), (doc_window, lambda b, n: _packed(b, n).eq(0).cumsum(-1))]
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
+@pytest.mark.parametrize("build, data", DOCUMENTS, ids=["hf-packed", "doc-window"])
+def test_documents_match_reference(build, data, segs, rates, compiler):
+    _check_documents(build, data(2, 48), segs, rates, compiler)
+
+
+def _documents_on_ranks(rank, world, compiler):
+    for build, data in DOCUMENTS:
+        _check_documents(build, data(2, 64), [16, 64], [1, 2], compiler, world=world, rank=rank, n=64)
+
+
+def test_documents_across_ranks_match_reference():
+    run_ranks(2, _documents_on_ranks, "inductor")  # replicated mode: every rank holds every id
+
+
+def test_positions_that_do_not_count_up_in_a_document_raise():
+    """The band compares position values: within a document they must step by one, else the
+    structure read from the graph does not hold for these inputs (checked at run time)."""
+
+    def attend(q, k, v, pos, doc):
+        b, n = pos.shape
+        p, t = pos[:, None, :, None], pos[:, None, None, :]
+        same = doc[:, None, :, None] == doc[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(t <= p) & same)
+
+    import ring_rewrite
+
+    q = torch.randn(2, 2, 16, 8)
+    doc = torch.zeros(2, 16, dtype=torch.long)
+    pos = torch.arange(16).expand(2, 16).clone()
+    compiled = torch.compile(attend, backend=ring_rewrite.backend(compiler="aot_eager"))
+    compiled(q, q, q, pos, doc)  # positions count up: fine
+    pos[1, 5] = 9
+    with pytest.raises(ValueError, match="do not step by one within a document"):
+        compiled(q, q, q, pos, doc)
+
+
+def test_documents_in_sharded_mode_raise():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import ring_rewrite
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        backend = ring_rewrite.backend(compiler="eager", sharding="sharded")
+
+        def attend(q, k, v, pos):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_packed(q, pos))
+
+        q = torch.randn(2, 2, 16, 8)
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="use replicated mode"):
+            torch.compile(attend, backend=backend)(q, q, q, _packed(2, 16))
+    finally:
+        dist.destroy_process_group()
