@@ -692,7 +692,7 @@ def key_mask(structure: MaskStructure, dtype: torch.dtype, *data: torch.Tensor) 
     ``-inf`` where a conjunct masks, plus the biases); ``data`` are the tensors
     ``structure.data`` names, in order (proxies while the rewrite traces this)."""
     index, tensors = _key_index(structure, data)
-    n = structure.shape[3]
+    b, h, _, n = structure.shape
     bias = torch.zeros(1, 1, 1, n, dtype=dtype, device=data[0].device if data else None)
     for e in structure.keys:
         bias = bias.masked_fill(~_evaluate(e, index, tensors).to(torch.bool), _NEG_INF)

@@ -101,6 +101,14 @@ def _lm_call(model: torch.nn.Module) -> torch.Tensor:
     return model(_ids(), attention_mask=_left_padding(), use_cache=False).logits
 
 
+def _packed_call(model: torch.nn.Module) -> torch.Tensor:
+    """Training on packed sequences: ``position_ids`` that restart at each sequence, no mask, no
+    cache (transformers then builds a document mask from the positions)."""
+    pos = torch.cat([torch.arange(6), torch.arange(N - 6)]).expand(B, N).clone()
+    pos[1] = torch.cat([torch.arange(11), torch.arange(N - 11)])
+    return model(_ids(), position_ids=pos, use_cache=False).logits
+
+
 def _two(path: str, outcome: str | None = REWRITTEN) -> dict[str, str | None]:
     return {path.format(i): outcome for i in range(2)}
 
@@ -165,6 +173,10 @@ ZOO: dict[str, Zoo] = {
     "llama": Zoo(
         _causal_lm("LlamaForCausalLM", "LlamaConfig", num_key_value_heads=2),
         _lm_call, _two("model.layers.{}.self_attn"),
+    ),
+    "llama_packed": Zoo(
+        _causal_lm("LlamaForCausalLM", "LlamaConfig", num_key_value_heads=2),
+        _packed_call, _two("model.layers.{}.self_attn"),
     ),
     "mistral": Zoo(
         _causal_lm("MistralForCausalLM", "MistralConfig", num_key_value_heads=2, sliding_window=4),
@@ -397,6 +409,8 @@ def _check(name: str, config_name: str, compiler: str) -> None:
         ("mistral", "exact", "inductor"),
         ("bert", "exact", "inductor"),
         ("llama", "dilated", "aot_eager"),
+        ("llama_packed", "dilated", "aot_eager"),
+        ("mistral", "dilated", "aot_eager"),
         ("bert", "dilated", "aot_eager"),
     ],
 )
