@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ring_rewrite.roles import current
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_LOCAL = re.compile(r"^L\['[^']*'\](\[\d+\])?\.?")  # the compiled module: L['self']., L['args'][0].
+_LOCAL = re.compile(r"^[LG]\['[^']*'\](\[\d+\])?\.?")  # the compiled module: L['self'], L['args'][0], G['model']
 
 
 class RoleTracer(fx.proxy.GraphAppendingTracer):

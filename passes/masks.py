@@ -411,7 +411,8 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
         shape = _shape(mask)
         if len(shape) < 2 or shape[-1] != n or shape[-2] not in (1, n):
             return f"attn_mask of shape {shape} for {n} queries and keys"
-        full = (1,) * (4 - len(shape)) + shape
+        # NOTE: the site's own shapes are specialised (find_sdpa), so its mask's are too.
+        full = tuple(guard_int(x) if isinstance(x, torch.SymInt) else x for x in (1,) * (4 - len(shape)) + shape)
         reader = _Reader()
         e = reader.operand(mask, full)
         parts = _Parts()
