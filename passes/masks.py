@@ -121,6 +121,7 @@ _POINTWISE = {
     "add": (operator.add, torch.add, "add", "__add__", "__radd__"),
     "sub": (operator.sub, torch.sub, "sub", "__sub__"),
     "mul": (operator.mul, torch.mul, "mul", "__mul__", "__rmul__"),
+    "floordiv": (operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__"),
     "le": (operator.le, torch.le, "le", "__le__"),
     "lt": (operator.lt, torch.lt, "lt", "__lt__"),
     "ge": (operator.ge, torch.ge, "ge", "__ge__"),
@@ -731,7 +732,7 @@ def _uses(structure: MaskStructure) -> set[int]:
 
 
 _EVAL = {
-    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "le": operator.le,
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "floordiv": operator.floordiv, "le": operator.le,
     "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne,
     "and": operator.and_, "or": operator.or_,
 }  # fmt: skip

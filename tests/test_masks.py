@@ -288,12 +288,30 @@ def _check_documents(build, data, segs, rates, compiler, *, world=1, rank=0, n=4
     assert record.rewritten and record.plan.documents and record.plan.world == world
 
 
-DOCUMENTS = [(hf_packed, _packed), (doc_window, lambda b, n: _packed(b, n).eq(0).cumsum(-1))]
+def chunked(q, pad):
+    """Chunked attention (transformers' Llama 4): causal within chunks of 8 tokens counted from
+    each row's first real token, ``(t - pad_b) // 8 == (p - pad_b) // 8``: documents."""
+    n = q.shape[2]
+    start = (~pad).sum(-1).view(-1, 1, 1, 1)  # left padding
+    i = torch.arange(n)
+    p, t = i[None, None, :, None], i[None, None, None, :]
+    return (t <= p) & ((t - start) // 8 == (p - start) // 8) & pad[:, None, None, :]
+
+
+def _left_pad(b, n):
+    pad = torch.ones(b, n, dtype=torch.bool)
+    pad[1, :5] = False
+    return pad
+
+
+DOCUMENTS = [
+    (hf_packed, _packed), (doc_window, lambda b, n: _packed(b, n).eq(0).cumsum(-1)), (chunked, _left_pad),
+]
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
-@pytest.mark.parametrize("build, data", DOCUMENTS, ids=["hf-packed", "doc-window"])
+@pytest.mark.parametrize("build, data", DOCUMENTS, ids=["hf-packed", "doc-window", "chunked"])
 def test_documents_match_reference(build, data, segs, rates, compiler):
     _check_documents(build, data(2, 48), segs, rates, compiler)
 

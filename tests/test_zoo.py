@@ -165,6 +165,25 @@ def _nn_encoder() -> torch.nn.Module:
     return _seeded(make)
 
 
+def _nn_transformer() -> torch.nn.Module:
+    return _seeded(
+        lambda: torch.nn.Transformer(
+            32, 4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64, dropout=0.0, batch_first=True
+        )
+    )
+
+
+def _nn_transformer_call(model: torch.nn.Module) -> torch.Tensor:
+    """Encoder-decoder training: a causal target mask (with ``tgt_is_causal=True``: without it
+    torch's mask detection breaks the graph) and source padding for both attentions to it."""
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(N)
+    pad = _key_padding()
+    return model(
+        _randn(B, N, 32), _randn(B, N, 32) * 0.5, tgt_mask=mask, tgt_is_causal=True,
+        src_key_padding_mask=pad, memory_key_padding_mask=pad,
+    )  # fmt: skip
+
+
 def _key_padding() -> torch.Tensor:
     return _right_padding() == 0  # True: ignore
 
@@ -223,6 +242,14 @@ ZOO: dict[str, Zoo] = {
     ),
     "whisper_encoder": Zoo(
         _whisper_encoder, lambda m: m(_randn(B, 8, 2 * N)).last_hidden_state, _two("layers.{}.self_attn")
+    ),
+    "nn_transformer": Zoo(
+        _nn_transformer, _nn_transformer_call,
+        {
+            **_two("encoder.layers.{}.self_attn"),
+            **_two("decoder.layers.{}.self_attn"),
+            **_two("decoder.layers.{}.multihead_attn", "cross attention"),
+        },
     ),
     "nn_transformer_encoder": Zoo(
         _nn_encoder, lambda m: m(_randn(B, N, 32), src_key_padding_mask=_key_padding()),
