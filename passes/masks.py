@@ -365,8 +365,11 @@ class MaskStructure:
     shape: tuple[int, ...] = ()
     """The mask's shape, as 4-D ``(B|1, H|1, N, N)``."""
     documents: Any = None
-    """An expression over ``(b, t)``: key ``t`` reaches query ``p`` only if both have the same
-    value (a document id, read from ``doc[b, p] == doc[b, t]``), or None."""
+    """An expression ``f`` over ``(b, t)``: key ``t`` reaches query ``p`` only if ``f(b, t)
+    <relation> f(b, p)`` (a document id, ``doc[b, t] == doc[b, p]``; block-causal, ``t // C <=
+    p // C``), or None."""
+    relation: str = "eq"
+    """How a key's ``documents`` value compares to its query's: ``eq``, ``le``, ``lt``, ``ge``, ``gt``."""
     positions: Any = None
     """An expression over ``(b, t)`` the band compares instead of ``t`` itself (transformers
     compares ``position_ids`` values in packed sequences), or None. Then the band holds for
@@ -430,9 +433,12 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
         return f"dense attn_mask that allows no key ({lo} <= t - p <= {hi})"
     if len(parts.documents) > 1 or len(parts.positions) > 1:
         return "dense attn_mask with more than one document id or position tensor"
-    documents = parts.documents[0] if parts.documents else None
+    documents, relation = parts.documents[0] if parts.documents else (None, "eq")
     positions = parts.positions[0] if parts.positions else None
-    return MaskStructure(lo, hi, tuple(parts.keys), tuple(parts.biases), full, documents, positions)
+    return MaskStructure(
+        lo, hi, tuple(parts.keys), tuple(parts.biases), full,
+        documents=documents, relation=relation, positions=positions,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -519,14 +525,22 @@ def _as_key(e):
 
 
 def _same_document(c):
-    """``f(b, p) == f(b, t)`` as ``f`` over keys, else None."""
-    if not (isinstance(c, Op) and c.name == "eq"):
+    """``f(b, t) <relation> f(b, p)`` as ``(f over keys, relation)``, else None. An order
+    relation only where ``f`` is no affine function of positions (block-causal ``t // C <= p //
+    C``): ``t <= p`` itself, also of position values, is a band (``_relative``)."""
+    if not (isinstance(c, Op) and c.name in _RELATIONS):
         return None
-    for a, b in (c.args, c.args[::-1]):
+    for (a, b), rel in ((c.args, _FLIP_SIDES[c.name]), (c.args[::-1], c.name)):
         da, db = _dims(a), _dims(b)
         if _P in da and _T not in da and _T in db and _P not in db and _as_key(a) == b:
-            return b
+            if rel != "eq" and _linear(b) is not None:
+                return None
+            return b, rel
     return None
+
+
+_RELATIONS = ("eq", "le", "lt", "ge", "gt")
+_FLIP_SIDES = {"eq": "eq", "le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}  # a <op> b as b <op'> a
 
 
 def _and_terms(e) -> list:

@@ -255,7 +255,7 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         is_causal=bool(site.is_causal) or (structure is not None and structure.hi == 0),
         has_mask=site.attn_mask is not None if structure is None else structure.has_keys,
         band=_band(structure),
-        documents=structure is not None and structure.documents is not None,
+        documents=None if structure is None or structure.documents is None else structure.relation,
         branches=config.branches(n_global),
         world=world,
         rank=rank,

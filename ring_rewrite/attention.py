@@ -66,7 +66,7 @@ from .kernels import block_kernel
 from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
-from .ops import BAND_OPEN, stat_dtype
+from .ops import BAND_OPEN, RELATIONS, stat_dtype
 from .p2p import DKV, KV, KV_BACK, Ring, Rotater, global_ranks
 from .roles import role
 from .schedule import Block, BranchPlan, plan_branch, shard_parts
@@ -115,16 +115,17 @@ class SitePlan:
     band: tuple[int | None, int | None] | None = None
     """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
     top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands])."""
-    documents: bool = False
-    """Key ``t`` reaches query ``p`` only within the same document: the site's calls take
-    ``docs (B|1, 1, N, 1)``, the document id of every position (replicated mode or one rank:
-    every rank holds them all; Note [Bands])."""
+    documents: str | None = None
+    """Key ``t`` reaches query ``p`` only if ``doc[t] <documents> doc[p]`` (``eq``: the same
+    document; ``le``: block-causal; ``ops.RELATIONS``): the site's calls take ``docs (B|1, 1, N,
+    1)``, the id of every position (replicated mode or one rank: every rank holds them all; Note
+    [Bands])."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0, band=None, documents=False,
+        pad=0, dropout=0.0, band=None, documents=None,
     ):  # fmt: skip
         pieces = world * shard_parts(layout)
         if world > 1 and n % pieces:
@@ -342,6 +343,7 @@ def _band_args(
     band = [BAND_OPEN if x is None else x for x in (lo, hi)]
     args = {"band": band, "qpos": positions(qs), "kpos": positions(ks)}
     if plan.documents:
+        band.append([name for name, _ in RELATIONS].index(plan.documents))
         args["qdoc"] = _doc_rows(plan, branch, docs, None, blk.q0, blk.q1, heads)
         args["kdoc"] = _doc_rows(plan, branch, docs, step, blk.k0, blk.k1, heads)
     return args

@@ -24,6 +24,8 @@ scores at a time (Note [Bands] in ``attention.py``).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .kernels import block_kernel, dropout_backward, dropout_forward
@@ -72,7 +74,7 @@ def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc):
     """Query rows ``[r0, r1)`` of each chunk and the chunk's additive bias ``(B|1, H|1, rows,
     S)``: the key bias plus ``-inf`` outside the band (and above the diagonal when causal), and
     between different documents."""
-    lo, hi = band
+    lo, hi, relation = band
     if is_causal:
         hi = 0 if hi is None else min(hi, 0)
     rows = max(1, BAND_CHUNK // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
@@ -87,7 +89,7 @@ def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc):
             allowed &= d <= hi
         allowed = allowed.view(1, 1, r1 - r0, -1)
         if qdoc is not None:
-            allowed = allowed & (qdoc[:, :, r0:r1, None] == kdoc[:, :, None, :])
+            allowed = allowed & relation(kdoc[:, :, None, :], qdoc[:, :, r0:r1, None])
         mask = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill(~allowed, float("-inf"))
         yield r0, r1, mask if bias is None else bias + mask
 
@@ -123,9 +125,16 @@ def block_attention(
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-def _band(band: list[int]) -> tuple[int | None, int | None]:
-    """The op's ``band`` argument ``[lo, hi]`` (``BAND_OPEN`` for an open end) as ``(lo, hi)``."""
-    return tuple(None if x == BAND_OPEN else x for x in band)
+def _band(band: list[int]) -> tuple:
+    """The op's ``band`` argument ``[lo, hi[, relation]]`` (``BAND_OPEN`` for an open end; the
+    index in ``RELATIONS`` of how a key's document id compares to its query's) as ``(lo, hi,
+    comparison)``."""
+    lo, hi = (None if x == BAND_OPEN else x for x in band[:2])
+    return lo, hi, RELATIONS[band[2] if len(band) > 2 else 0][1]
+
+
+RELATIONS = (("eq", operator.eq), ("le", operator.le), ("lt", operator.lt), ("ge", operator.ge), ("gt", operator.gt))
+"""Document relations by their code in ``band``: key id <relation> query id."""
 
 
 BAND_OPEN = -(1 << 62)

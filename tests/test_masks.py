@@ -365,3 +365,15 @@ def test_documents_in_sharded_mode_raise():
             torch.compile(attend, backend=backend)(q, q, q, _packed(2, 16))
     finally:
         dist.destroy_process_group()
+
+
+def block_causal(q, pad):
+    """Block-causal attention: every key of the query's block of 8 and of the blocks before."""
+    i = torch.arange(q.shape[2])
+    return (i[None, :] // 8 <= i[:, None] // 8) & pad[:, None, None, :]
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
+def test_block_causal_matches_reference(segs, rates, compiler):
+    _check_documents(block_causal, _left_pad(2, 48), segs, rates, compiler)
