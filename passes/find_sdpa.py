@@ -63,7 +63,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from ring_rewrite import kernels
 
 from ._fx import location
-from .masks import MaskStructure, key_offset_reason, mask_structure
+from .masks import MaskStructure, decode_positions, mask_structure
 
 __all__ = [
     "DataFlow",
@@ -251,11 +251,11 @@ def decode_reason(site: SdpaSite) -> str | None:
 
 
 def dilated_decode_reason(site: SdpaSite) -> str | None:
-    """Why a decode step's keys may not be the whole prefix at positions ``0 .. N - 1``, which a
-    dilated config needs (its segments and lattices are absolute; the exact config does not
-    care), or None. The keys must be a cache with the new tokens appended (``torch.cat`` on the
-    sequence dim, the last piece the query's length) and the mask, if any, must not place them
-    elsewhere (``masks.key_offset_reason``)."""
+    """Why the positions of a decode step's queries and keys are unknown, which a dilated config
+    needs (its segments and lattices are absolute; the exact config does not care), or None. The
+    keys must be a cache with the new tokens appended (``torch.cat`` on the sequence dim, the
+    last piece the query's length): the whole prefix, or, where the mask places them at an
+    offset (a sliding-window cache), the last keys from there (``masks.decode_positions``)."""
     m = site.meta(site.query).shape[2]
     for name, node in (("key", site.key), ("value", site.value)):
         if not _appended(node, m):
@@ -265,9 +265,9 @@ def dilated_decode_reason(site: SdpaSite) -> str | None:
                 "or sliding-window cache?)"
             )
     if site.attn_mask is not None:
-        reason = key_offset_reason(site.attn_mask)
-        if reason is not None:
-            return f"{reason}: a dilated decode step needs the whole prefix at positions 0 .. N-1"
+        positions = decode_positions(site.attn_mask)
+        if isinstance(positions, str):
+            return f"{positions}: a dilated decode step needs its positions"
     return None
 
 

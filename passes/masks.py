@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-__all__ = ["MaskStructure", "mask_structure", "key_mask", "key_offset_reason", "key_values"]
+__all__ = ["DecodePositions", "MaskStructure", "decode_positions", "key_mask", "key_values", "mask_structure"]
 
 
 # ---- expressions ------------------------------------------------------------------------------
@@ -55,6 +55,8 @@ class Dim:
 @dataclasses.dataclass(frozen=True)
 class Const:
     value: Any
+    node: fx.Node | None = None
+    """The graph node of a size or offset computed at run time (``value`` its example)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,8 @@ def _free_dims(e) -> set[int]:
 
 
 def _data(e) -> list[fx.Node]:
+    if isinstance(e, Const):
+        return [] if e.node is None else [e.node]
     if isinstance(e, Op):
         return [n for a in e.args for n in _data(a)]
     if isinstance(e, Data):
@@ -180,7 +184,7 @@ class _Reader:
     def _read(self, node: fx.Node):
         value = node.meta.get("example_value")
         if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
-            return Const(value)  # a size or offset computed in the graph
+            return Const(value, node)  # a size or offset computed in the graph
         try:
             return self._follow(node)
         except NotStructured:
@@ -674,29 +678,56 @@ def _relative(c):
     return (floor, floor), positions
 
 
-def key_offset_reason(mask: fx.Node) -> str | None:
-    """Why the keys of a decode step's ``mask`` may not sit at positions ``0 .. N - 1``, or
-    None: wherever its construction compares a key's position, that position must be the key's
-    index plus 0 (a sliding-window cache holds the last keys only and builds its mask with their
-    offset). Only an offset that the graph shows can be seen."""
+@dataclasses.dataclass(frozen=True)
+class DecodePositions:
+    """Where a decode step's mask places its first query and its first key (a sliding-window
+    cache holds the last keys only and builds its mask with their offset): expressions over the
+    graph values ``data`` (sizes and offsets computed at run time)."""
+
+    query: Any
+    key: Any
+
+    @property
+    def data(self) -> list[fx.Node]:
+        return list(dict.fromkeys([*_data(self.query), *_data(self.key)]))
+
+    def evaluate(self, *data) -> tuple:
+        """``(first query, first key)`` from the values of ``data`` (proxies while traced)."""
+        tensors = dict(zip(self.data, data))
+        return _evaluate(self.query, {}, tensors), _evaluate(self.key, {}, tensors)
+
+
+def decode_positions(mask: fx.Node) -> DecodePositions | str | None:
+    """The positions a decode step's mask compares: its causal comparison ``kv <= q`` (``q``
+    the query's position, ``kv`` the key's index plus an offset); None where the mask compares
+    no key position (then keys sit at ``0 .. N - 1``, queries last); a reason where it cannot be
+    read."""
     try:
         e = _Reader().expr(mask)
     except NotStructured as error:
         return f"its mask cannot be read to place the keys ({error})"
-    stack = [e]
+    stack, compared = [e], False
     while stack:
         x = stack.pop()
-        if isinstance(x, Op):
-            stack.extend(x.args)
-            if x.name not in ("le", "lt", "ge", "gt", "eq", "ne"):
-                continue
-            for side in (_linear(a) for a in x.args):
-                keys = side is not None and any(k is not None for k, v in side.items() if v)
-                offset = 0 if side is None else side.get(None, 0)
-                if keys and not bool(offset == 0):
-                    return f"its mask places the keys at positions from {offset}, not 0 (a sliding-window cache?)"
-        elif isinstance(x, Data):
+        if isinstance(x, Data):
             stack.extend(x.index)
+        if not isinstance(x, Op):
+            continue
+        stack.extend(x.args)
+        if x.name not in _RELATIONS:
+            continue
+        sides = [_linear(a) for a in x.args]
+        keyed = [s is not None and s.get(_T, 0) != 0 for s in sides]
+        compared |= any(keyed)
+        small, big = x.args if x.name == "le" else x.args[::-1] if x.name == "ge" else (None, None)
+        if small is None:
+            continue
+        s, b = _linear(small), _linear(big)
+        if s is None or b is None or s.get(_T) != 1 or set(s) - {_T, None} or set(b) - {_P, None}:
+            continue
+        return DecodePositions(_subst(big, {_P: Const(0), _T: Const(0)}), _subst(small, {_T: Const(0)}))
+    if compared:
+        return "its mask compares key positions in no causal comparison (kv <= q) that places them"
     return None
 
 
@@ -756,7 +787,7 @@ def _evaluate(e, index: dict, tensors: dict):
     if isinstance(e, Dim):
         return index[e.i]
     if isinstance(e, Const):
-        return e.value
+        return e.value if e.node is None else tensors[e.node]
     if isinstance(e, Data):
         return tensors[e.node][tuple(_evaluate(i, index, tensors) for i in e.index)]
     args = [_evaluate(a, index, tensors) for a in e.args]

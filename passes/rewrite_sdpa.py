@@ -68,7 +68,7 @@ from .find_sdpa import (
     is_decode_step,
     static_strides, unsupported_reason,
 )  # fmt: skip
-from .masks import MaskStructure, key_mask, key_values
+from .masks import MaskStructure, decode_positions, key_mask, key_values
 from .records import TOUCHED, SiteRecord, leave_alone, records, sharded
 
 __all__ = ["NAME", "rewrite_sdpa"]
@@ -162,6 +162,10 @@ def _rewrite_decode(gm: fx.GraphModule, site: SdpaSite, index: int, config: Ring
     if site.attn_mask is not None:
         inputs.append(site.attn_mask)
         decode.keywords["bool_mask"] = site.meta(site.attn_mask).dtype == torch.bool
+        positions = None if config.is_exact else decode_positions(site.attn_mask)
+        if positions is not None:  # where the mask places them (a sliding-window cache)
+            decode.keywords["positions"] = positions
+            inputs += positions.data
     with graph.inserting_before(node):
         tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
         with role("decode"):
@@ -175,9 +179,13 @@ def _rewrite_decode(gm: fx.GraphModule, site: SdpaSite, index: int, config: Ring
 _WHOLE = 1 << 62  # the exact config's one segment: longer than any prefix
 
 
-def _decode(q, k, v, mask=None, *, branches, scale, bool_mask=False):
+def _decode(q, k, v, mask=None, *data, branches, scale, bool_mask=False, positions=None):
     bias = torch.where(mask, 0.0, float("-inf")) if bool_mask else mask
-    return decode_attention(q, k, v, bias, branches=branches, scale=scale, is_causal=False)
+    first_query, first_key = (None, 0) if positions is None else positions.evaluate(*data)
+    return decode_attention(
+        q, k, v, bias, branches=branches, scale=scale, is_causal=False, first_query=first_query,
+        first_key=first_key,
+    )  # fmt: skip
 
 
 def _agreement_key(record: SiteRecord) -> dict:

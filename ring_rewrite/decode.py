@@ -31,14 +31,18 @@ def decode_attention(
     branches: Sequence[tuple[int, int]],
     scale: float,
     is_causal: bool,
+    first_query=None,
+    first_key=0,
 ) -> torch.Tensor:
     """Rows ``N - m .. N - 1`` of dilated attention: ``q (B, Hq, m, D)``, ``k (B, Hkv, N, D)``,
     ``v (B, Hkv, N, Dv)``, ``bias`` an additive key bias broadcast to ``(B, Hq, 1, N)``;
-    ``branches`` as ``RingDilatedConfig.branches`` (a segment ``w >= N`` is the whole prefix)."""
+    ``branches`` as ``RingDilatedConfig.branches`` (a segment ``w >= N`` is the whole prefix).
+    A cache that holds the last keys only (a sliding window) gives its positions: the queries at
+    ``first_query ..`` (default ``N - m``), the keys at ``first_key ..``."""
     hq, m, hkv, n = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     acc = stat_dtype(q.dtype)
-    p = torch.arange(m, device=q.device) + (n - m)  # the queries' positions
-    t = torch.arange(n, device=q.device)
+    p = torch.arange(m, device=q.device) + (n - m if first_query is None else first_query)
+    t = torch.arange(n, device=q.device) + first_key
     heads = torch.arange(hq, device=q.device).view(-1, 1, 1)
     counts = 0
     for w, r in branches:
