@@ -212,10 +212,7 @@ CASES_P2 = [
     ("subsequent_window", [8, 64], [1, 2], "replicated", "contiguous"),
     ("two_sided", [16, 64], [1, 2], "sharded", "contiguous"),
 ]
-CASES_P4 = [
-    ("hf_window", [8, 32, 64], [1, 2, 4], "sharded", "zigzag"),
-    ("two_sided", None, None, "replicated", "zigzag"),
-]
+CASES_P4 = [("hf_window", [8, 32, 64], [1, 2, 4], "sharded", "zigzag")]  # one: a P = 4 compile is costly
 
 
 def _cases(rank, world, cases, compiler):
@@ -225,8 +222,8 @@ def _cases(rank, world, cases, compiler):
 
 @pytest.mark.parametrize(
     "world, cases, compiler",
-    [(2, CASES_P2, "inductor"), (2, CASES_P2, "aot_eager"), (4, CASES_P4, "inductor")],
-    ids=["P2-inductor", "P2-aot_eager", "P4-inductor"],
+    [(2, CASES_P2, "inductor"), (4, CASES_P4, "inductor")],
+    ids=["P2-inductor", "P4-inductor"],
 )
 def test_ring_matches_reference(world, cases, compiler):
     run_ranks(world, _cases, cases, compiler)
