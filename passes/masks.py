@@ -619,15 +619,22 @@ def _linear(e) -> dict | None:
     return None
 
 
+def _difference(c, names) -> dict | None:
+    """A comparison ``lhs <op> rhs`` (``op`` in ``names``) as ``lhs - rhs``, linear, or None."""
+    if not (isinstance(c, Op) and c.name in names):
+        return None
+    lhs, rhs = (_linear(x) for x in c.args)
+    if lhs is None or rhs is None:
+        return None
+    return {k: lhs.get(k, 0) - rhs.get(k, 0) for k in lhs.keys() | rhs.keys()}
+
+
 def _every_position(c) -> bool:
     """Whether ``c`` is a comparison of the query position alone that every position ``p >= 0``
     passes (transformers' encoders AND in ``q_idx >= 0``)."""
-    if not (isinstance(c, Op) and c.name in ("le", "lt", "ge", "gt")):
+    diff = _difference(c, ("le", "lt", "ge", "gt"))
+    if diff is None:
         return False
-    lhs, rhs = (_linear(x) for x in c.args)
-    if lhs is None or rhs is None:
-        return False
-    diff = {k: lhs.get(k, 0) - rhs.get(k, 0) for k in lhs.keys() | rhs.keys()}
     a, c0 = diff.get(_P, 0), diff.get(None, 0)
     if any(v for k, v in diff.items() if k not in (_P, None)):
         return False
@@ -639,12 +646,9 @@ def _every_position(c) -> bool:
 def _relative(c):
     """A comparison ``a (x(t) - x(p)) + c0 <op> 0`` as the band ``(lo, hi)`` of ``x(t) - x(p)``
     and ``x`` (None for the position itself, else a tensor's values over keys), or None."""
-    if not (isinstance(c, Op) and c.name in ("le", "lt", "ge", "gt", "eq")):
+    diff = _difference(c, ("le", "lt", "ge", "gt", "eq"))
+    if diff is None:
         return None
-    lhs, rhs = (_linear(x) for x in c.args)
-    if lhs is None or rhs is None:
-        return None
-    diff = {k: lhs.get(k, 0) - rhs.get(k, 0) for k in lhs.keys() | rhs.keys()}
     variables = {k: v for k, v in diff.items() if k is not None and v}
     keys = [k for k in variables if k == _T or (isinstance(k, Data) and _T in _dims(k) and _P not in _dims(k))]
     queries = [k for k in variables if k == _P or (isinstance(k, Data) and _P in _dims(k) and _T not in _dims(k))]
