@@ -197,3 +197,34 @@ def test_dilated_decode_with_a_static_cache_is_left_alone():
     steps = [r for r in backend.records if r.shapes["query"][2] == 1]
     reasons = ("not a cache with the new tokens appended", "cross attention")
     assert steps and all(not r.rewritten and any(x in r.reason for x in reasons) for r in steps), steps
+
+
+def _decode_on_a_rank(rank, world):
+    segs, rates = [8, 16], [1, 2]
+    torch.manual_seed(0)  # every rank the same model and inputs (replicated mode)
+    model = CachedAttention()
+    x, ck, cv = _step(model, 21, m=2)
+    x.requires_grad_()
+    ck.requires_grad_()
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates)  # inductor
+    out, _, _ = torch.compile(model, backend=backend)(x, ck, cv)
+    (record,) = backend.records
+    assert record.decode and record.rewritten
+    k = torch.cat([ck, model.split(model.k(x))], 2)
+    v = torch.cat([cv, model.split(model.v(x))], 2)
+    q = model.split(model.q(x))
+    full_q = torch.cat([torch.zeros(2, 4, k.shape[2] - 2, 4), q], 2)
+    ref = reference_attention(full_q, k, v, segment_lengths=segs, dilation_rates=rates)[:, :, -2:]
+    dout = torch.randn(out.shape)
+    got = torch.autograd.grad(out, (x, ck), dout)
+    want = torch.autograd.grad(ref, (x, ck), dout.double())
+    assert rel_err(out, ref) < 1e-5
+    assert max(rel_err(a, b) for a, b in zip(got, want)) < 1e-5
+
+
+def test_decode_step_across_ranks_with_gradients():
+    """At P = 2 (replicated mode) a decode step runs on every rank, under inductor, gradients
+    included, against the float64 reference."""
+    from ranks import run_ranks
+
+    run_ranks(2, _decode_on_a_rank)
