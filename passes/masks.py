@@ -20,7 +20,11 @@ indices. The mask's expression, over ``(b, h, p, t)``, is then cut into its conj
   in the graph from the same tensors (O(B N); ``key_mask``);
 * a comparison of ``t - p`` with a constant: a **band** ``lo <= t - p <= hi``: ``hi = 0`` is
   causal, ``lo = 1 - W`` a window of ``W`` (SPEC §2);
-* anything else (a query-side mask, ``or`` across positions, a tensor indexed by both
+* documents: ``f(b, t) <relation> f(b, p)`` (ids, chunks, block-causal), the band possibly on
+  position values instead of indices (packed sequences);
+* one ``or``: causal OR a block (``g[t] == g[p] & g[p] >= 0``, or a prefix ``t < L``), which is
+  block-causal on each block's last position (``MaskStructure.blocks``);
+* anything else (a query-side mask, another ``or`` across positions, a tensor indexed by both
   positions): the mask is not structured, and the reason says what was found.
 
 A float mask is read as ``where(allowed, 0, -inf)`` terms plus any additive key bias. Nothing
@@ -374,6 +378,12 @@ class MaskStructure:
     p // C``), or None."""
     relation: str = "eq"
     """How a key's ``documents`` value compares to its query's: ``eq``, ``le``, ``lt``, ``ge``, ``gt``."""
+    blocks: bool = False
+    """Whether ``documents`` are the group ids of blocks in a causal mask (``causal | (g[t] ==
+    g[p] & g[p] >= 0)``: bidirectional within each run of one id ``>= 0``, as transformers'
+    ``block_sequence_ids`` and a prefix LM): then key ``t`` reaches query ``p`` iff ``end(t) <=
+    end(p)``, ``end`` the last position of a position's block or the position itself
+    (``ops.block_ends``, which raises where an id's positions are not one run)."""
     positions: Any = None
     """An expression over ``(b, t)`` the band compares instead of ``t`` itself (transformers
     compares ``position_ids`` values in packed sequences), or None. Then the band holds for
@@ -398,6 +408,8 @@ class MaskStructure:
         return any(_T in _free_dims(e) for e in (*self.keys, *self.biases))
 
     def describe(self) -> str:
+        if self.blocks:
+            return ", ".join(["causal, bidirectional within blocks", *(["key mask"] if self.has_keys else [])])
         parts = []
         if self.hi == 0:
             parts.append("causal")
@@ -441,7 +453,7 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
     positions = parts.positions[0] if parts.positions else None
     return MaskStructure(
         lo, hi, tuple(parts.keys), tuple(parts.biases), full,
-        documents=documents, relation=relation, positions=positions,
+        documents=documents, relation=relation, positions=positions, blocks=parts.blocks,
     )  # fmt: skip
 
 
@@ -453,6 +465,7 @@ class _Parts:
     biases: list = dataclasses.field(default_factory=list)
     documents: list = dataclasses.field(default_factory=list)
     positions: list = dataclasses.field(default_factory=list)
+    blocks: bool = False
 
 
 def _additive(e, parts: _Parts):
@@ -498,7 +511,9 @@ def _conjuncts(e, parts: _Parts):
     """Split a bool expression into key conjuncts, documents and positions (into ``parts``) and
     a band; None where a conjunct reads the query position otherwise."""
     band: tuple = (None, None)
-    for c in _and_terms(e):
+    pending = _and_terms(e)
+    while pending:
+        c = pending.pop(0)
         if isinstance(c, Const):
             if bool(c.value):
                 continue
@@ -507,6 +522,19 @@ def _conjuncts(e, parts: _Parts):
             parts.keys.append(c)
             continue
         if _every_position(c):
+            continue
+        if isinstance(c, Op) and c.name == "or":
+            terms = [t for t in _or_terms(c) if not _is(t, False)]
+            if any(_is(t, True) for t in terms):
+                continue
+            if len(terms) == 1:
+                pending += _and_terms(terms[0])
+                continue
+            groups = _blocks(terms)
+            if groups is None or parts.blocks:
+                return None
+            parts.documents.append((groups, "le"))
+            parts.blocks = True
             continue
         documents = _same_document(c)
         if documents is not None:
@@ -521,6 +549,43 @@ def _conjuncts(e, parts: _Parts):
             parts.positions.append(positions)
         band = _meet(band, (lo, hi))
     return band
+
+
+def _or_terms(e) -> list:
+    if isinstance(e, Op) and e.name == "or":
+        return [t for a in e.args for t in _or_terms(a)]
+    return [e]
+
+
+def _blocks(terms: list):
+    """``causal | same block`` as the group ids of the blocks, an expression over ``(b, t)``
+    (``MaskStructure.blocks``), else None. The block term is ``g[t] == g[p] & g[p] >= 0`` (either
+    side's ``g``; transformers' ``blockwise_overlay``) or a prefix of the keys, ``t < L`` (a
+    prefix LM: one block ``0 .. L - 1``, ids ``where(t < L, 0, -1)``)."""
+    causal = [c for c in terms if _relative(c) == ((None, 0), None)]
+    if len(terms) != 2 or len(causal) != 1:
+        return None
+    (other,) = [c for c in terms if c is not causal[0]]
+    if _P not in _dims(other):
+        diff = _difference(other, ("le", "lt", "ge", "gt"))
+        if diff is None or any(_T in _dims(k) or _P in _dims(k) for k in diff if isinstance(k, Data)):
+            return None
+        a = diff.get(_T, 0)
+        if set(diff) - {_T, None} - {k for k in diff if isinstance(k, Data)} or not a:
+            return None
+        if (a > 0) != (other.name in ("le", "lt")):
+            return None  # t > L: a suffix, not a prefix
+        return Op("where", (other, Const(0), Const(-1)))
+    conjuncts = _and_terms(other)
+    same = [_same_document(c) for c in conjuncts]
+    equal = [s for s in same if s is not None and s[1] == "eq"]
+    if len(conjuncts) != 2 or len(equal) != 1:
+        return None
+    groups = equal[0][0]
+    (rest,) = [c for c, s in zip(conjuncts, same) if s is None or s[1] != "eq"]
+    if _as_key(rest) not in (Op("ge", (groups, Const(0))), Op("gt", (groups, Const(-1))), Op("le", (Const(0), groups))):
+        return None
+    return groups
 
 
 def _as_key(e):

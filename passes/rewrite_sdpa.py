@@ -290,6 +290,8 @@ def _documents(structure: MaskStructure, *data: torch.Tensor, where: str) -> tor
     """Each position's document id ``(B|1, 1, N, 1)``, checked against the positions the mask's
     band compares, if it compares tensor values (``ops.documents``)."""
     docs = key_values(structure, structure.documents, *data)
+    if structure.blocks:
+        docs = torch.ops.ring_rewrite.block_ends(docs, where)
     shift = None
     if structure.positions is not None:
         n = docs.shape[-1]

@@ -226,6 +226,34 @@ def _(docs, shift, where):
     return docs.new_empty(docs.shape)
 
 
+@torch.library.custom_op("ring_rewrite::block_ends", mutates_args=())
+def block_ends(groups: torch.Tensor, where: str) -> torch.Tensor:
+    """``groups (B|1, N)``, each key's block id (``>= 0``; none below 0), as the ids of a
+    block-causal relation: the last position of the key's block, or its own position outside
+    every block (``passes/masks.py``, ``MaskStructure.blocks``). Raises naming ``where`` if an
+    id's positions are not one run: then no such ids exist, never a different function."""
+    n = groups.shape[-1]
+    changes = groups[:, 1:] != groups[:, :-1]
+    first = torch.cat([torch.ones_like(groups[:, :1], dtype=torch.bool), changes], dim=-1)
+    for row, starts in zip(groups, first):
+        ids = row[starts & (row >= 0)]
+        if ids.unique().numel() != ids.numel():
+            raise ValueError(
+                f"ring_dilated: the mask of the site at {where} makes blocks bidirectional "
+                "(g[t] == g[p] and g[p] >= 0), and a block id appears in more than one run of "
+                "positions; its structure does not hold for these inputs"
+            )
+    position = torch.arange(n, device=groups.device).expand(groups.shape)
+    last = torch.cat([changes, torch.ones_like(groups[:, :1], dtype=torch.bool)], dim=-1)
+    ends = torch.where(last, position, n).flip(-1).cummin(-1).values.flip(-1)
+    return torch.where(groups >= 0, ends, position)
+
+
+@block_ends.register_fake
+def _(groups, where):
+    return groups.new_empty(groups.shape, dtype=torch.int64)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, scale, is_causal, *drop = inputs
     out, lse = output

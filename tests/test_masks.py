@@ -134,7 +134,15 @@ def _query_padding(q, pad):
 
 def _or_across(q, pad):
     i = torch.arange(q.shape[2])
-    return (i[None, :] <= i[:, None]) | (i[None, :] < 4)  # causal, or a prefix everyone sees
+    return (i[None, :] <= i[:, None]) | (i[None, :] % 5 == 0)  # causal, or global keys everyone sees
+
+
+def _or_window_blocks(q, groups):
+    """A window OR blocks: ``(causal & window) | same block`` is no block-causal relation."""
+    i = torch.arange(q.shape[2])
+    p, t = i[None, None, :, None], i[None, None, None, :]
+    same = (groups[:, None, :, None] == groups[:, None, None, :]) & (groups[:, None, :, None] >= 0)
+    return ((t <= p) & (t > p - W)) | same
 
 
 def _query_prefix(q, pad):
@@ -151,10 +159,11 @@ def _given(q, pad):
     [
         (_query_padding, "not a band"),
         (_or_across, "not a band"),
+        (_or_window_blocks, "not a band"),
         (_query_prefix, "not a band"),
         (_given, "not a band"),
     ],
-    ids=["query-padding", "or-across-positions", "query-prefix", "data-of-both-positions"],
+    ids=["query-padding", "or-across-positions", "or-window-blocks", "query-prefix", "data-of-both-positions"],
 )
 def test_mask_without_a_structure_is_left_alone(build, reason):
     q = torch.randn(2, 2, 16, 8)
@@ -162,7 +171,8 @@ def test_mask_without_a_structure_is_left_alone(build, reason):
     def attend(q, k, v, pad):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, pad))
 
-    cap = capture(attend, q, q, q, _padding(2, 16))
+    data = _groups(2, 16) if build is _or_window_blocks else _padding(2, 16)
+    cap = capture(attend, q, q, q, data)
     assert_left_alone(cap, site=0, reason=reason)
 
 
@@ -374,3 +384,57 @@ def block_causal(q, pad):
 @pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
 def test_block_causal_matches_reference(segs, rates, compiler):
     _check_documents(block_causal, _left_pad(2, 48), segs, rates, compiler)
+
+
+# ---- causal OR blocks (a prefix LM, transformers' block_sequence_ids) ----------------------------
+
+
+def prefix_lm(q, pad):
+    """A prefix LM: every query sees the first 10 keys (the prefix, bidirectional) and causal
+    keys after them, with padding."""
+    i = torch.arange(q.shape[2])
+    return ((i[None, :] <= i[:, None]) | (i[None, :] < 10)) & pad[:, None, None, :]
+
+
+def hf_blocks(q, groups):
+    """transformers 5.x's ``create_causal_mask(..., block_sequence_ids=groups)``: causal, OR the
+    same block (ids >= 0: images, a PaliGemma prefix), built as ``or_masks`` builds it."""
+    b, n = groups.shape
+    batch = torch.arange(b)[:, None, None, None]
+    q_idx, kv_idx = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
+    q_group, kv_group = groups[batch, q_idx], groups[batch, kv_idx]
+    mask = q_idx.new_zeros((), dtype=torch.bool) | (kv_idx <= q_idx)
+    mask = mask | ((q_group == kv_group) & (q_group >= 0))
+    return mask.expand(b, -1, n, n)
+
+
+def _groups(b: int, n: int) -> torch.Tensor:
+    """Row 0: two image blocks (ids 0 and 1) in text; row 1: a prefix of 9 tokens (id 0)."""
+    groups = torch.full((b, n), -1, dtype=torch.long)
+    groups[0, 3:8], groups[0, 12:15] = 0, 1
+    groups[1, :9] = 0
+    return groups
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
+@pytest.mark.parametrize("build, data", [(prefix_lm, _left_pad), (hf_blocks, _groups)], ids=["prefix-lm", "hf-blocks"])
+def test_causal_or_blocks_match_reference(build, data, segs, rates, compiler):
+    _check_documents(build, data(2, 48), segs, rates, compiler)
+
+
+def test_a_block_id_in_two_runs_raises():
+    """The blocks must be runs: an id that comes back later is no block-causal relation, and
+    the guard (``ops.block_ends``, O(N)) raises rather than compute another function."""
+    import ring_rewrite
+
+    def attend(q, k, v, groups):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_blocks(q, groups))
+
+    q = torch.randn(2, 2, 16, 8)
+    groups = _groups(2, 16)
+    compiled = torch.compile(attend, backend=ring_rewrite.backend(compiler="aot_eager"))
+    compiled(q, q, q, groups)
+    groups[0, 14] = 0  # id 0 again, after block 1
+    with pytest.raises(ValueError, match="appears in more than one run"):
+        compiled(q, q, q, groups)
