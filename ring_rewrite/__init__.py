@@ -8,15 +8,18 @@ from .p2p import RingOutOfStep, TransferTimeout
 from .recompiles import RecompileLimitError
 from .reference import reference_attention
 from .report import Report, explain
+from .scale import ScalePlan, plan
 
 __all__ = [
     "RecompileLimitError",
     "Report",
     "RingDilatedConfig",
     "RingOutOfStep",
+    "ScalePlan",
     "TransferTimeout",
     "backend",
     "explain",
+    "plan",
     "positions",
     "reference_attention",
     "ring_dilated",

@@ -13,7 +13,10 @@ from .attention import SitePlan
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
 
-__all__ = ["Report", "explain", "attention_flops", "attention_memory_bytes", "bytes_sent"]
+__all__ = [
+    "Report", "explain", "attention_flops", "attention_memory_bytes", "branch_bytes_sent", "branch_flops",
+    "bytes_sent",
+]  # fmt: skip
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -28,16 +31,18 @@ def _block_pairs(layout, blk) -> int:
 
 def attention_flops(plan: SitePlan) -> int:
     """Useful forward FLOPs of the site on this rank (2 per multiply-add in QK^T and PV)."""
-    total = 0
-    for branch in plan.branches:
-        layout = branch.layout
-        if branch.is_local:
-            m = layout.m
-            pairs = layout.nseg * (m * (m + 1) // 2 if plan.is_causal else m * m)
-        else:
-            pairs = sum(_block_pairs(layout, blk) for step in branch.steps for blk in step)
-        total += 2 * plan.batch * plan.hq * pairs * (plan.d + plan.dv)
-    return total
+    return sum(branch_flops(plan, branch) for branch in plan.branches)
+
+
+def branch_flops(plan: SitePlan, branch) -> int:
+    """Useful forward FLOPs of one branch on this rank."""
+    layout = branch.layout
+    if branch.is_local:
+        m = layout.m
+        pairs = layout.nseg * (m * (m + 1) // 2 if plan.is_causal else m * m)
+    else:
+        pairs = sum(_block_pairs(layout, blk) for step in branch.steps for blk in step)
+    return 2 * plan.batch * plan.hq * pairs * (plan.d + plan.dv)
 
 
 def dense_flops(plan: SitePlan) -> int:
@@ -49,19 +54,11 @@ def dense_flops(plan: SitePlan) -> int:
 
 def bytes_sent(plan: SitePlan) -> dict[str, int]:
     """Bytes this rank sends per forward and per backward (what the P2P ops count)."""
-    item, stat = _itemsize(plan.dtype), _itemsize(plan.stat_dtype)
+    item = _itemsize(plan.dtype)
     fwd = bwd = 0
     for branch in plan.branches:
-        if branch.is_local:
-            continue
-        layout = branch.layout
-        rows = layout.batch * layout.nseg * layout.kv_heads * layout.m * (plan.d + plan.dv)
-        hops = len(branch.ring) - 1
-        fwd += hops * rows * item
-        bwd += hops * rows * item + hops * rows * stat  # K/V again, then dK/dV (stat_dtype)
-        if plan.needs_bias(branch):  # the keys' bias travels with them, both ways
-            bias = layout.batch * layout.nseg * plan.hq * layout.m * _itemsize(plan.compute_dtype)
-            fwd, bwd = fwd + hops * bias, bwd + hops * bias
+        sent = branch_bytes_sent(plan, branch)
+        fwd, bwd = fwd + sent["forward"], bwd + sent["backward"]
     if plan.gathers:
         local = plan.batch * plan.n_local
         tag = 8
@@ -70,6 +67,25 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
         grads = local * (plan.hq * plan.d + plan.hkv * (plan.d + plan.dv)) * item + 3 * tag
         bwd += (plan.world - 1) * grads
     return {"forward": fwd, "backward": bwd}
+
+
+def branch_bytes_sent(plan: SitePlan, branch) -> dict[str, int]:
+    """Bytes one branch's ring sends from this rank per forward and per backward, and its
+    largest message (one head chunk's K/V, or dK/dV in ``stat_dtype``, with the keys' bias)."""
+    if branch.is_local:
+        return {"forward": 0, "backward": 0, "message": 0}
+    item, stat = _itemsize(plan.dtype), _itemsize(plan.stat_dtype)
+    layout = branch.layout
+    rows = layout.batch * layout.nseg * layout.kv_heads * layout.m * (plan.d + plan.dv)
+    hops = len(branch.ring) - 1
+    fwd = hops * rows * item
+    bwd = hops * rows * item + hops * rows * stat  # K/V again, then dK/dV (stat_dtype)
+    bias = 0
+    if plan.needs_bias(branch):  # the keys' bias travels with them, both ways
+        bias = layout.batch * layout.nseg * plan.hq * layout.m * _itemsize(plan.compute_dtype)
+        fwd, bwd = fwd + hops * bias, bwd + hops * bias
+    message = max(rows * item + bias, rows * stat) // plan.head_chunks(branch)
+    return {"forward": fwd, "backward": bwd, "message": message}
 
 
 def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:

@@ -1,0 +1,165 @@
+"""What a configuration needs per rank, without running it: ``plan()``.
+
+The rewrite builds one ``SitePlan`` per site and rank from the site's shapes and the config
+(``passes/rewrite_sdpa.py``); ``plan()`` builds the same plans from numbers alone, for every rank
+of a group of any size, and sums what the report counts (``report.py``): useful FLOPs, bytes
+each rank sends and its largest message, memory per rank. Nothing is allocated and no process
+group is needed, so a run far beyond this machine can be asked about::
+
+    >>> print(ring_rewrite.plan(seq_len=2**30, world_size=512, heads=32, kv_heads=8, head_dim=128,
+    ...                         segment_lengths=[...], dilation_rates=[...]))
+
+Numbers are per rank and per attention layer, the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import torch
+from tabulate import tabulate
+
+from .attention import SitePlan
+from .config import RingDilatedConfig
+from .report import attention_memory_bytes, branch_bytes_sent, branch_flops
+
+__all__ = ["ScalePlan", "plan"]
+
+BACKWARD_FLOPS = 2.5
+"""Useful backward FLOPs per forward FLOP: five matmuls (scores again, dP, dV, dQ, dK) to two."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalePlan:
+    """Per-rank needs of one attention layer, and of ``layers`` of them, for every rank."""
+
+    plans: tuple[SitePlan, ...]
+    """One per rank of the group, as the rewrite would build them."""
+    layers: int = 1
+
+    @property
+    def site(self) -> SitePlan:
+        return self.plans[0]
+
+    @functools.cached_property
+    def branch_rows(self) -> list[dict]:
+        """Per branch: FLOPs and bytes sent, the most of any rank."""
+        rows = []
+        for i, branch in enumerate(self.site.branches):
+            per_rank = [(p, p.branches[i]) for p in self.plans]
+            sent = [branch_bytes_sent(p, b) for p, b in per_rank]
+            rows.append(
+                {
+                    "branch (w, r)": f"({branch.w}, {branch.r})",
+                    "where": "local" if branch.is_local else f"ring of {len(branch.ring)}",
+                    "head chunks": self.site.head_chunks(branch),
+                    "flops": max(branch_flops(p, b) for p, b in per_rank),
+                    "sent fwd": max(s["forward"] for s in sent),
+                    "sent bwd": max(s["backward"] for s in sent),
+                    "message": max(s["message"] for s in sent),
+                }
+            )
+        return rows
+
+    @functools.cached_property
+    def totals(self) -> dict[str, int]:
+        """The layer's totals on its busiest rank (each the most of any rank), in FLOPs and
+        bytes; ``model peak`` adds the saved tensors of ``layers - 1`` more layers and every
+        layer's q, k, v."""
+        site = self.site
+        rows = self.branch_rows
+        flops = max(sum(branch_flops(p, b) for b in p.branches) for p in self.plans)
+        memory = [attention_memory_bytes(p) for p in self.plans]
+        saved, peak = max(m["saved"] for m in memory), max(m["peak"] for m in memory)
+        item = torch.empty((), dtype=site.dtype).element_size()
+        inputs = site.batch * site.n_local * (site.hq * site.d + site.hkv * (site.d + site.dv)) * item
+        return {
+            "forward flops": flops,
+            "backward flops": round(BACKWARD_FLOPS * flops),
+            "sent forward": sum(r["sent fwd"] for r in rows),
+            "sent backward": sum(r["sent bwd"] for r in rows),
+            "largest message": max((r["message"] for r in rows), default=0),
+            "q, k, v": inputs,
+            "saved": saved,
+            "peak": peak,
+            "model peak": self.layers * (inputs + saved) + peak - saved,
+        }
+
+    def __str__(self) -> str:
+        site, totals = self.site, self.totals
+        head = (
+            f"ring_dilated plan: N = {site.n:,} tokens over {site.world} ranks ({site.n_local:,} per rank, "
+            f"{site.sharding}, {site.layout}), batch {site.batch}, {site.hq} query / {site.hkv} kv heads "
+            f"of {site.d}, {str(site.dtype).removeprefix('torch.')}, causal {site.is_causal}; per rank, "
+            "the most of any rank"
+        )
+        table = [
+            {
+                "branch (w, r)": r["branch (w, r)"],
+                "where": r["where"],
+                "head chunks": r["head chunks"],
+                "TFLOP fwd": f"{r['flops'] / 1e12:.4g}",
+                "GiB sent fwd / bwd": f"{_gib(r['sent fwd'])} / {_gib(r['sent bwd'])}",
+                "largest message MiB": f"{r['message'] / 2**20:.4g}",
+            }
+            for r in self.branch_rows
+        ]
+        lines = [
+            head,
+            tabulate(table, headers="keys", tablefmt="simple"),
+            f"per layer: {totals['forward flops'] / 1e12:.4g} TFLOP forward, "
+            f"{totals['backward flops'] / 1e12:.4g} backward; sends {_gib(totals['sent forward'])} GiB "
+            f"forward, {_gib(totals['sent backward'])} GiB backward; largest message "
+            f"{totals['largest message'] / 2**20:.4g} MiB",
+            f"memory per layer: q, k, v {_gib(totals['q, k, v'])} GiB; saved for backward "
+            f"{_gib(totals['saved'])} GiB; attention peak {_gib(totals['peak'])} GiB (estimate: "
+            "no kernel scratch)",
+        ]
+        if self.layers > 1:
+            lines.append(
+                f"{self.layers} layers: {_gib(totals['model peak'])} GiB (each layer's q, k, v and "
+                "saved tensors, one layer's peak; no weights, MLPs or optimizer)"
+            )
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.4g}"
+
+
+def plan(
+    seq_len: int,
+    world_size: int,
+    *,
+    heads: int,
+    head_dim: int,
+    kv_heads: int | None = None,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    is_causal: bool = True,
+    layers: int = 1,
+    device: str = "cuda",
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    sharding: str = "sharded",
+    layout: str = "zigzag",
+) -> ScalePlan:
+    """The plans of one attention layer of ``seq_len`` tokens over ``world_size`` ranks, as
+    the rewrite would build them (``segment_lengths`` / ``dilation_rates`` as the backend's
+    options; None: exact attention). Raises ValueError where the rewrite would: a config the
+    shards cannot carry."""
+    config = RingDilatedConfig(
+        segment_lengths=segment_lengths, dilation_rates=dilation_rates, sharding=sharding, layout=layout
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
+    plans = tuple(
+        SitePlan.build(
+            batch=batch, hq=heads, hkv=kv_heads, n=seq_len, d=head_dim, dv=head_dim, dtype=dtype,
+            device=device, scale=head_dim**-0.5, is_causal=is_causal, has_mask=False,
+            branches=config.branches(seq_len), world=world_size, rank=rank, sharding=sharding, layout=layout,
+        )  # fmt: skip
+        for rank in range(world_size)
+    )
+    return ScalePlan(plans, layers)

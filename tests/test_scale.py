@@ -1,0 +1,81 @@
+"""``ring_rewrite.plan``: the per-rank needs of a configuration, without running it. Its plans
+are the ones the rewrite builds for a real site (checked on a fake process group), and its
+totals follow the closed forms of the exact ring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ring_rewrite
+from ring_rewrite.report import attention_flops, attention_memory_bytes, bytes_sent
+
+SEGS, RATES = [16, 64, 256], [1, 2, 4]
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_plan_is_what_the_rewrite_builds(rank):
+    """A sharded LongNet site on rank ``rank`` of 4 (fake process group): the rewrite's plan and
+    ``plan()``'s plan for that rank count the same FLOPs, bytes and memory."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ring_rewrite.testing import capture
+
+    n, world = 256, 4
+    q = torch.randn(2, 4, n // world, 8)
+    k = v = torch.randn(2, 2, n // world, 8)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        cap = capture(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            q, k, v, sharding="sharded", layout="zigzag", segment_lengths=SEGS, dilation_rates=RATES,
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    built = cap.records[0].plan
+    planned = ring_rewrite.plan(
+        n, world, heads=4, kv_heads=2, head_dim=8, batch=2, dtype=torch.float32, device="cpu",
+        segment_lengths=SEGS, dilation_rates=RATES,
+    ).plans[rank]  # fmt: skip
+    assert [(b.w, b.r, b.ring, b.steps) for b in planned.branches] == [
+        (b.w, b.r, b.ring, b.steps) for b in built.branches
+    ]
+    for count in (attention_flops, bytes_sent, attention_memory_bytes):
+        assert count(planned) == count(built), count.__name__
+
+
+@pytest.mark.parametrize("world", [2, 8, 64])
+def test_exact_ring_closed_forms(world):
+    """Exact causal attention, zigzag: every rank computes 1/P of the causal pairs and sends
+    its K/V P - 1 times forward; backward sends K/V again and dK/dV (float32)."""
+    n, b, hq, hkv, d = 4096, 2, 8, 2, 16
+    p = ring_rewrite.plan(n, world, heads=hq, kv_heads=hkv, head_dim=d, batch=b, dtype=torch.bfloat16)
+    totals = p.totals
+    pairs = n * (n + 1) // 2
+    assert totals["forward flops"] == 2 * b * hq * pairs * 2 * d // world
+    kv = b * (n // world) * hkv * 2 * d
+    assert totals["sent forward"] == (world - 1) * kv * 2
+    assert totals["sent backward"] == (world - 1) * kv * (2 + 4)
+    assert totals["q, k, v"] == b * (n // world) * (hq + 2 * hkv) * d * 2
+    (row,) = p.branch_rows
+    assert row["where"] == f"ring of {world}" and row["message"] == kv * 4 // row["head chunks"]
+
+
+def test_a_billion_tokens_over_512_ranks():
+    """The README's table: it builds without memory or a process group, every rank's share is
+    1/512, and branches longer than a rank's shard are rings."""
+    segs = [2048 * 4**i for i in range(6)] + [2**30]
+    rates = [2**i for i in range(7)]
+    p = ring_rewrite.plan(2**30, 512, heads=16, kv_heads=4, head_dim=64, segment_lengths=segs, dilation_rates=rates)
+    assert p.site.n_local == 2**21
+    where = [r["where"] for r in p.branch_rows]
+    assert where[:5] == ["local"] * 5 and where[5].startswith("ring of") and where[6] == "ring of 512"
+    text = str(p)
+    assert "1,073,741,824 tokens over 512 ranks" in text and "largest message" in text
+
+
+def test_a_config_the_shards_cannot_carry_raises():
+    with pytest.raises(ValueError, match="not a multiple of the dilation rate"):
+        ring_rewrite.plan(4096, 64, heads=4, head_dim=16, segment_lengths=[16, 4096], dilation_rates=[1, 64])
