@@ -29,6 +29,7 @@ BENCHMARKS = {
     "ring_comm": ("ring_comm.py", [], "ring_comm.json"),
     "compile_cost": ("compile_cost.py", [], "compile_cost.json"),
     "fault_soak": ("fault_soak.py", [], "fault_soak.json"),
+    "scale": ("scale.py", [], "scale.json"),
 }
 
 
