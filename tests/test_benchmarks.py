@@ -41,3 +41,22 @@ def test_pair_counts_match_the_reference_lattice(segments, rates, causal):
     counts = connection_counts(n, 8, branches, is_causal=causal)
     per_head = {int(counts[j].sum()) for j in range(8)}
     assert per_head == {single_device.connected_pairs(n, segments, rates, causal)}
+
+
+def test_scale_rows_match_the_reference():
+    """``scale.py`` checks sampled rows with its own float64 rows (output and dq of one query
+    position): they must be the reference's rows, and its inputs the same by position."""
+    import scale
+
+    n = 4096
+    q, k, v, dout = (scale._rows(kind, 0, n).double() for kind in scale._KINDS)
+    assert torch.equal(scale._rows("k", 1000, 1003), scale._rows("k", 0, n)[:, :, 1000:1003])
+    q.requires_grad_()
+    out = reference_attention(
+        q, k, v, segment_lengths=scale.SEGMENTS, dilation_rates=scale.RATES, is_causal=True, query_chunk=512
+    )
+    (dq,) = torch.autograd.grad(out, (q,), dout)
+    for p in (0, 1, 77, 2047, 2048, 3001, n - 1):
+        rows = scale._reference_rows(p, n)
+        torch.testing.assert_close(rows["out"], out[:, :, p].detach(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(rows["dq"], dq[:, :, p], rtol=1e-10, atol=1e-12)
