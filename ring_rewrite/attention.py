@@ -653,8 +653,8 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
             )
         with role("undilate", branch=i):
             dq = _acc(plan, dq, layout.undilate_q(dqd))
-            dk = _acc(plan, dk, layout.accumulate_kv(dkd, plan.d))
-            dv = _acc(plan, dv, layout.accumulate_kv(dvd, plan.dv))
+            dk = layout.accumulate_kv(dkd.to(plan.stat_dtype), plan.d, into=dk)
+            dv = layout.accumulate_kv(dvd.to(plan.stat_dtype), plan.dv, into=dv)
     with role("undilate"):
         grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
     if plan.gathers:

@@ -166,12 +166,27 @@ class BranchLayout:
             y = x6[:, :, head, off]
         return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, last_dim(y, self.batch))
 
-    def accumulate_kv(self, y: torch.Tensor, channels: int) -> torch.Tensor:
-        """Adjoint of ``dilate_kv``: sums dilated kv rows back into ``(B, Hkv, n, C)``."""
+    def accumulate_kv(self, y: torch.Tensor, channels: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Adjoint of ``dilate_kv``: sums dilated kv rows back into ``(B, Hkv, n, C)``, added to
+        ``into`` (same shape and dtype as ``y``) if given.
+
+        NOTE: with one dilated kv head per query head (not ``shared_kv``) only ``Hq`` of the
+        ``Hkv * r`` (head, offset) pairs hold rows: they are scattered straight to their
+        positions (into ``into`` when the sequence needs no padding), never through a buffer of
+        every pair, which at rate 64 would be 32 times the rows that exist.
+        """
         y = y.view(self.batch, self.nseg, self.kv_heads, self.m, channels)
-        if not self.shared_kv:
-            head, off = self._kv_pairs(y.device)
-            into = y.new_zeros(self.batch, self.nseg, self.hkv * self.r, self.m, channels)
-            y = into.index_add(2, head * self.r + off, y)
-        y = y.view(self.batch, self.nseg, self.hkv, self.r, self.m, channels)
-        return self._merge_split(y, self.hkv)
+        if self.shared_kv:
+            y = self._merge_split(y.view(self.batch, self.nseg, self.hkv, self.r, self.m, channels), self.hkv)
+            return y if into is None else into + y
+        head, off = self._kv_pairs(y.device)
+        seg = torch.arange(self.nseg, device=y.device).view(-1, 1, 1) * self.seg
+        row = torch.arange(self.m, device=y.device).view(1, 1, -1) * self.r
+        rows = (head * self.padded + off).view(1, -1, 1) + seg + row  # (nseg, pairs, m)
+        flat = y.reshape(self.batch, self.nseg * self.kv_heads * self.m, channels)
+        if into is not None and self.padded == self.n:
+            total = into.reshape(self.batch, self.hkv * self.n, channels)
+            return total.index_add(1, rows.flatten(), flat).view(self.batch, self.hkv, self.n, channels)
+        total = y.new_zeros(self.batch, self.hkv * self.padded, channels).index_add(1, rows.flatten(), flat)
+        total = total.view(self.batch, self.hkv, self.padded, channels)[:, :, : self.n]
+        return total if into is None else into + total

@@ -145,3 +145,15 @@ def test_accumulate_kv_is_adjoint_of_dilate_kv(params):
     lhs = (layout.dilate_kv(x) * y).sum()
     rhs = (x * acc).sum()
     torch.testing.assert_close(lhs, rhs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("params", GRID, ids=IDS)
+def test_accumulate_kv_into_adds_to_it(params):
+    """Scattered straight into a running total (the backward's dK/dV of earlier branches), the
+    sum is that total plus the adjoint."""
+    layout = _layout(params)
+    _, _, n, batch, _, hkv = params
+    total = torch.randn(batch, hkv, n, C, dtype=torch.float64)
+    y = torch.randn(batch * layout.nseg, layout.kv_heads, layout.m, C, dtype=torch.float64)
+    got = layout.accumulate_kv(y, C, into=total.clone())
+    torch.testing.assert_close(got, total + layout.accumulate_kv(y, C), rtol=1e-12, atol=1e-12)
