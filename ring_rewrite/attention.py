@@ -653,8 +653,9 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
             )
         with role("undilate", branch=i):
             dq = _acc(plan, dq, layout.undilate_q(dqd))
-            dk = layout.accumulate_kv(dkd.to(plan.stat_dtype), plan.d, into=dk)
-            dv = layout.accumulate_kv(dvd.to(plan.stat_dtype), plan.dv, into=dv)
+            # Later branches add into the totals in stat_dtype (``_acc``), straight at their rows.
+            dk = layout.accumulate_kv(dkd if dk is None else dkd.to(plan.stat_dtype), plan.d, into=dk)
+            dv = layout.accumulate_kv(dvd if dv is None else dvd.to(plan.stat_dtype), plan.dv, into=dv)
     with role("undilate"):
         grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
     if plan.gathers:
