@@ -43,9 +43,20 @@ ring runs on the fake process group, where nothing travels: its outputs are not 
 its compile is real (the ring's numbers are checked by ``torch_ring.py``, ``ring_memory.py`` and
 ``ring_comm.py`` on real ranks). The baseline at P > 1 has no ring and is checked.
 
+One site (``--site``, issue 19): the first call of one LongNet site alone, the attention of
+``benchmarks/scale.py`` (``F.scaled_dot_product_attention(q, k, v, is_causal=True,
+enable_gqa=True)``, 4 query / 2 KV heads of 32, float32, segments [2048, 8192, 32768, 131072]
+and rates [1, 4, 16, 64], their first ``B`` branches, zigzag), forward + backward, against P, N
+and B, with the same cold process, timers and counters. Beside each: the plan's ring branches,
+ring steps and head chunks, which the compile should not grow with. The target: at most 30 s
+for the site at P = 4. Not checked numerically, as above (P = 1 included: ``scale.py`` checks
+this config on real ranks).
+
     python benchmarks/compile_cost.py                        # L = 4, 8, 12; P = 1, 4; N = 1024
     python benchmarks/compile_cost.py --quick                # smoke test: L = 2, N = 256
     python benchmarks/compile_cost.py --configs longnet --layers 4 --ranks 4
+    python benchmarks/compile_cost.py --site                 # one LongNet site: P, N, branches
+    python benchmarks/compile_cost.py --site --quick         # smoke test: 16k, P = 4, 2 branches
 """
 
 from __future__ import annotations
@@ -253,20 +264,21 @@ def measure(case: Case) -> dict[str, Any]:
     }
 
 
-def _measure_in_group(case: Case) -> dict[str, Any]:
+def _measure_in_group(case: Case | SiteCase) -> dict[str, Any]:
+    measure_case = measure_site if isinstance(case, SiteCase) else measure
     if case.world == 1:
-        return measure(case)
+        return measure_case(case)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=case.world - 1, world_size=case.world)
     try:
-        return measure(case)
+        return measure_case(case)
     finally:
         dist.destroy_process_group()
 
 
-def _run(case: Case) -> dict[str, Any]:
+def _run(case: Case | SiteCase) -> dict[str, Any]:
     """``measure(case)`` in a fresh interpreter with empty, disabled inductor caches."""
     with tempfile.TemporaryDirectory(prefix="compile_cost_") as cache:
         env = {
@@ -277,12 +289,155 @@ def _run(case: Case) -> dict[str, Any]:
             "TORCHINDUCTOR_COMPILE_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         }
-        args = [sys.executable, __file__, "--measure", json.dumps(dataclasses.asdict(case))]
+        flag = "--measure-site" if isinstance(case, SiteCase) else "--measure"
+        args = [sys.executable, __file__, flag, json.dumps(dataclasses.asdict(case))]
         done = subprocess.run(args, env=env, capture_output=True, text=True)
         cpp_modules = len(list(Path(cache).rglob("*.so")))
     if done.returncode:
         raise RuntimeError(f"measuring {case} failed:\n{done.stderr[-4000:]}")
     return {**json.loads(done.stdout.splitlines()[-1]), "cpp_modules": cpp_modules}
+
+
+# ---- one LongNet site (--site) -----------------------------------------------------------------
+
+SITE_TARGET_S = 30.0  # the first call of one LongNet site at P = 4
+SITE_SEGMENTS = (2048, 8192, 32768, 131072)
+SITE_RATES = (1, 4, 16, 64)
+SITE_HEADS, SITE_KV_HEADS, SITE_HEAD_DIM = 4, 2, 32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SiteCase:
+    """One cold compile of one LongNet site: N tokens over P ranks, its first B branches."""
+
+    seq: int
+    world: int
+    branches: int
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {
+            "segment_lengths": list(SITE_SEGMENTS[: self.branches]),
+            "dilation_rates": list(SITE_RATES[: self.branches]),
+            "sharding": "sharded" if self.world > 1 else "replicated",
+            "layout": "zigzag",
+            "compiler": "inductor",
+        }
+
+
+def site_shape(case: SiteCase) -> dict[str, int]:
+    """What the compile should not grow with: rank P - 1's ring branches, ring steps (over its
+    ring branches) and head chunks, from the rewrite's own plan."""
+    import ring_rewrite
+
+    opts = case.options
+    plan = ring_rewrite.plan(
+        case.seq, case.world, heads=SITE_HEADS, kv_heads=SITE_KV_HEADS, head_dim=SITE_HEAD_DIM,
+        dtype=torch.float32, device="cpu", segment_lengths=opts["segment_lengths"],
+        dilation_rates=opts["dilation_rates"], sharding=opts["sharding"], layout=opts["layout"],
+    ).plans[-1]  # fmt: skip
+    rings = [b for b in plan.branches if not b.is_local]
+    return {
+        "ring branches": len(rings),
+        "ring steps": sum(len(b.steps) for b in rings),
+        "head chunks": sum(plan.head_chunks(b) for b in rings),
+    }
+
+
+def measure_site(case: SiteCase) -> dict[str, Any]:
+    """Compile ``case`` cold and time it (call in a fresh process: see ``_run``)."""
+    import ring_rewrite  # noqa: F401  registers "ring_dilated"
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    n = case.seq // case.world
+    q = torch.randn(1, SITE_HEADS, n, SITE_HEAD_DIM, requires_grad=True)
+    k, v = (torch.randn(1, SITE_KV_HEADS, n, SITE_HEAD_DIM, requires_grad=True) for _ in range(2))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    compiled = torch.compile(attend, backend="ring_dilated", options=case.options, fullgraph=True)
+
+    def step() -> None:
+        compiled(q, k, v).sum().backward()
+
+    first_wall, first_cpu = _timed(step)
+    warm = [_timed(step) for _ in range(WARM_STEPS)]
+    warm_wall, warm_cpu = (statistics.median(t) for t in zip(*warm))
+    return {
+        **dataclasses.asdict(case),
+        "compile_s": first_wall - warm_wall,
+        "compile_cpu_s": first_cpu - warm_cpu,
+        "first_step_s": first_wall,
+        "warm_step_s": warm_wall,
+        "timers_s": _timers(),
+        **_counters(),
+    }
+
+
+def _site_cases(opts: argparse.Namespace) -> list[SiteCase]:
+    """P at 64k tokens; N at P = 4; branches at 64k and P = 4 (each case once)."""
+    if opts.quick:
+        return [SiteCase(seq=16384, world=4, branches=2)]
+    cases = [SiteCase(seq=65536, world=p, branches=4) for p in (1, 2, 4, 8)]
+    cases += [SiteCase(seq=n, world=4, branches=4) for n in (16384, 262144, 1048576)]
+    cases += [SiteCase(seq=65536, world=4, branches=b) for b in (1, 2, 3)]
+    return cases
+
+
+def _site_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for r in runs:
+        t = r["timers_s"]
+        rows.append({
+            "N": r["seq"], "P": r["world"], "branches": r["branches"], **site_shape(SiteCase(
+                seq=r["seq"], world=r["world"], branches=r["branches"])),
+            "compile s": r["compile_s"], "cpu s": r["compile_cpu_s"],
+            "passes + AOT s": t["backend"] - t["fw_compile"], "inductor s": t["inductor"] - t["cpp"],
+            "C++ build s": t["cpp"], "C++ modules": r["cpp_modules"], "extern calls": r["extern_calls"],
+            "warm step s": r["warm_step_s"],
+        })  # fmt: skip
+    return rows
+
+
+def site_main(opts: argparse.Namespace) -> int:
+    print(
+        f"one LongNet site ({SITE_HEADS} query / {SITE_KV_HEADS} kv heads of {SITE_HEAD_DIM}, segments "
+        f"{list(SITE_SEGMENTS)}, rates {list(SITE_RATES)}, causal, zigzag), forward + backward; each "
+        f"compile cold in its own process; {THREADS} thread, 1 inductor compile worker, "
+        f"{os.cpu_count()} cores (shared)\n",
+        flush=True,
+    )
+    record_machine = machine(threads=THREADS)
+    runs = []
+    for case in _site_cases(opts):
+        runs.append(_run(case))
+        print(f"  N={case.seq} P={case.world} B={case.branches}: compile {runs[-1]['compile_s']:.1f} s", flush=True)
+    rows = _site_rows(runs)
+    at_4 = [row["compile s"] for row in rows if row["P"] == 4]
+    target = {
+        "line": f"first call of one LongNet site at P = 4 <= {SITE_TARGET_S:g} s",
+        "worst_s": max(at_4),
+        "met": max(at_4) <= SITE_TARGET_S,
+    }
+    print()
+    print(tabulate(rows, headers="keys", floatfmt=".3g"))
+    print(f"\ntarget: {target['line']}: worst {target['worst_s']:.1f} s -> {verdict(target['met'])}")
+    write_json(opts.out.with_name("compile_cost_site.json"), {
+        "benchmark": "compile_cost --site",
+        "machine": record_machine,
+        "setup": {
+            "segments": SITE_SEGMENTS, "rates": SITE_RATES, "heads": SITE_HEADS, "kv_heads": SITE_KV_HEADS,
+            "head_dim": SITE_HEAD_DIM, "dtype": "float32", "causal": True, "layout": "zigzag",
+            "inductor_compile_threads": 1, "warm_steps": WARM_STEPS,
+            "P>1": "fake process group, rank P-1, sharded",
+        },
+        "targets": [target],
+        "rows": rows,
+        "runs": runs,
+    })  # fmt: skip
+    return 0
 
 
 # ---- driving, in the parent ------------------------------------------------------------------
@@ -364,7 +519,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 layers, N = 256")
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_cost.json")
+    parser.add_argument("--site", action="store_true", help="one LongNet site against P, N and branches")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one Case as JSON
+    parser.add_argument("--measure-site", help=argparse.SUPPRESS)  # internal: one SiteCase as JSON
     return parser
 
 
@@ -409,6 +566,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.measure:
         print(json.dumps(_measure_in_group(Case(**json.loads(opts.measure)))))
         return 0
+    if opts.measure_site:
+        print(json.dumps(_measure_in_group(SiteCase(**json.loads(opts.measure_site)))))
+        return 0
+    if opts.site:
+        return site_main(opts)
     if opts.quick:
         opts.layers, opts.seq = [2], 256
     for world in opts.ranks:

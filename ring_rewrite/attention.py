@@ -32,6 +32,18 @@ heads while each K/V message stays at least ``RING_CHUNK_BYTES`` (small rings st
 backward a chunk's dK/dV make their last hop home while the next chunk's first step computes, so
 only the last chunk's last hop has nothing to overlap with.
 
+Note [Rows of a ring branch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A local branch runs as one batched call over ``(B*nseg, H, m, D)``. A ring branch's blocks read
+runs of a rank's parts (both zigzag chunks, or one), so it holds its tensors as ``(B, H,
+nseg*m, D)``, per head the parts one after another: every block's rows are then a slice, a view,
+and its out, lse and gradients split back into parts by views. With ``r = 1`` that layout is
+the rank's sequence itself (no copy). Otherwise the dilation gathers each tensor once per
+branch, and ``_materialized`` keeps it one buffer: under inductor a cheap gather feeding slices
+is recomputed for each consumer, one kernel per block, head chunk and ring step (at 64k on 4
+ranks, 30 kernels for the site, now 17; the C++ build of those kernels was most of the compile).
+The gathered copies are ``1/r`` of the inputs they come from.
+
 Note [Padding the sequence]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 In replicated mode the site chooses how to cut the sequence, so a length the ranks cannot
@@ -219,23 +231,56 @@ def _gather(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int, same=
 
 
 def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torch.Tensor | None):
-    """Additive key bias of one branch in kernel layout ``(B*nseg, Hq, 1, m)``, or None."""
+    """Additive key bias of one branch in kernel layout ``(B*nseg, Hq, 1, m)`` (a ring branch:
+    ``(B, Hq, 1, nseg*m)``), or None."""
     if not plan.needs_bias(branch):
         return None
     layout = branch.layout
     if mask is None:
         mask = q.new_zeros(1, 1, 1)
     keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(plan.batch, plan.hq, layout.n, 1)
+    if not branch.is_local:
+        return _ring_rows(plan, layout, keys, fill=_NEG_INF)[0].transpose(-1, -2)
     return layout.dilate_q(keys, fill=_NEG_INF).transpose(-1, -2)
 
 
-def _rows(x: torch.Tensor, layout, p0: int, p1: int, heads: int) -> torch.Tensor:
-    """Parts ``[p0, p1)`` of a dilated ``(B*nseg, H, m, C)`` tensor as ``(B, H, rows, C)``."""
-    c = last_dim(x, layout.batch)
-    x = x.view(layout.batch, layout.nseg, heads, layout.m, c)[:, p0:p1]
-    if p1 - p0 == 1:
-        return x[:, 0]
-    return x.transpose(1, 2).reshape(layout.batch, heads, (p1 - p0) * layout.m, c)
+def _to_rows(x: torch.Tensor, layout) -> torch.Tensor:
+    """Dilated ``(B*nseg, H, m[, C])`` as ``(B, H, nseg*m[, C])``: per head its parts one after
+    another, the layout of a ring branch (Note [Rows of a ring branch])."""
+    return x.unflatten(0, (layout.batch, layout.nseg)).transpose(1, 2).flatten(2, 3)
+
+
+def _from_rows(x: torch.Tensor, layout) -> torch.Tensor:
+    """Inverse of ``_to_rows``."""
+    return x.unflatten(2, (layout.nseg, layout.m)).transpose(1, 2).flatten(0, 1)
+
+
+def _ring_rows(
+    plan: SitePlan, layout, *xs, kv: bool = False, fill: float = 0.0, upcast: bool = True
+) -> list[torch.Tensor]:
+    """``xs (B, H, n[, C])`` in a ring branch's layout ``(B, H', nseg*m[, C])``, materialized
+    once (Note [Rows of a ring branch]); q-like ones in the compute dtype (unless not
+    ``upcast``), K/V as they are (they travel in the input dtype)."""
+    if layout.r == 1 and layout.padded == layout.n:
+        rows = list(xs)  # every row in place: a rank's parts one after another are its sequence
+    else:
+        dilate = layout.dilate_kv if kv else lambda x: layout.dilate_q(x, fill)
+        rows = [_materialized(_to_rows(dilate(x), layout)) for x in xs]
+    if kv or not upcast or plan.compute_dtype == plan.dtype:
+        return rows
+    return [x.to(plan.compute_dtype) for x in rows]
+
+
+def _materialized(x: torch.Tensor) -> torch.Tensor:
+    """``x`` computed once into a buffer of its own, which every later view reads. NOTE: under
+    inductor a gather that feeds several slices is otherwise recomputed for each (one kernel per
+    slice: per block, head chunk and ring step); elsewhere the op does nothing."""
+    return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+
+
+def _rows(x: torch.Tensor, layout, p0: int, p1: int, dim: int = 2) -> torch.Tensor:
+    """Parts ``[p0, p1)`` of ``x`` in ``_to_rows`` layout: a slice of ``dim``, a view."""
+    return x.narrow(dim, p0 * layout.m, (p1 - p0) * layout.m)
 
 
 def _split_rows(x: torch.Tensor, layout, p0: int, p1: int) -> list[torch.Tensor]:
@@ -246,29 +291,12 @@ def _split_rows(x: torch.Tensor, layout, p0: int, p1: int) -> list[torch.Tensor]
     return [x.select(2, j) for j in range(p1 - p0)]
 
 
-def _join_parts(parts: list[torch.Tensor], layout) -> torch.Tensor:
-    """Per-part ``(B, H, m[, C])`` into dilated ``(B*nseg, H, m[, C])``."""
-    if len(parts) == 1:
-        return parts[0]
-    stacked = torch.stack(parts, 1)
-    return stacked.flatten(0, 1)
-
-
-def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block, heads: int):
+def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block):
     """K and V rows of a block; K/V travel in the input dtype and are upcast only here."""
-    rows = [_rows(x, layout, blk.k0, blk.k1, heads) for x in kv]
+    rows = [_rows(x, layout, blk.k0, blk.k1) for x in kv]
     if plan.compute_dtype != plan.dtype:
         rows = [x.to(plan.compute_dtype) for x in rows]
     return rows
-
-
-def _bias_rows(bias: torch.Tensor, layout, k0: int, k1: int, heads: int) -> torch.Tensor:
-    """Key parts ``[k0, k1)`` of a dilated key bias ``(B*nseg, heads, 1, m)`` as ``(B, heads,
-    1, keys)``, the keys in ``_rows``' order."""
-    x = bias.view(layout.batch, layout.nseg, heads, 1, layout.m)[:, k0:k1]
-    if k1 - k0 == 1:
-        return x[:, 0]
-    return x.permute(0, 2, 3, 1, 4).reshape(layout.batch, heads, 1, (k1 - k0) * layout.m)
 
 
 def _held(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -360,7 +388,7 @@ def _doc_rows(plan, branch, docs, step, p0, p1, heads) -> torch.Tensor:
     ids = layout.dilate_q(docs.expand(plan.batch, plan.hq, -1, 1), fill=-1)[:, heads]
     if branch.is_local:
         return ids.squeeze(-1)
-    return _rows(ids, layout, p0, p1, ids.shape[1]).squeeze(-1)
+    return _rows(_to_rows(ids, layout), layout, p0, p1).squeeze(-1)
 
 
 # ---- forward -------------------------------------------------------------------------------
@@ -418,9 +446,9 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed,
                 continue
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
-                    _rows(qd, layout, blk.q0, blk.q1, hq),
-                    *_kv_rows(plan, layout, held, blk, hkv),
-                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1, hq),
+                    _rows(qd, layout, blk.q0, blk.q1),
+                    *_kv_rows(plan, layout, held, blk),
+                    None if held_bias is None else _rows(held_bias, layout, blk.k0, blk.k1, dim=3),
                     plan.scale,
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
@@ -440,14 +468,12 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed,
         if moves:
             with role("p2p", branch=i, step=step):
                 kv = ring.wait(flight, computed)
-    out = _join_parts(acc_out, layout)
-    lse = _join_parts(acc_lse, layout)
-    return out, lse
+    return torch.cat(acc_out, 2), torch.cat(acc_lse, 2)
 
 
-def _dilate(plan: SitePlan, layout, *xs, kv: bool = False, upcast: bool = True):
+def _dilate(plan: SitePlan, layout, *xs, kv: bool = False):
     dilate = layout.dilate_kv if kv else layout.dilate_q
-    if not upcast or plan.compute_dtype == plan.dtype:
+    if plan.compute_dtype == plan.dtype:
         return [dilate(x) for x in xs]
     return [dilate(x).to(plan.compute_dtype) for x in xs]
 
@@ -467,8 +493,12 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         with role("dilate", branch=i):
-            (qd,) = _dilate(plan, layout, ql)
-            kd, vd = _dilate(plan, layout, kl, vl, kv=True, upcast=branch.is_local)
+            if branch.is_local:
+                (qd,) = _dilate(plan, layout, ql)
+                kd, vd = _dilate(plan, layout, kl, vl, kv=True)
+            else:
+                (qd,) = _ring_rows(plan, layout, ql)
+                kd, vd = _ring_rows(plan, layout, kl, vl, kv=True)
             bias = _branch_bias(plan, branch, ql, ml)
         if branch.is_local:
             ((blk,),) = branch.steps
@@ -480,6 +510,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
         else:
             ring = _ring(rotater, i, branch)
             od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed, dp)
+            od, lsed = _from_rows(od, layout), _from_rows(lsed, layout)
         with role("undilate", branch=i):
             outs.append(layout.undilate_q(od))
             lses.append(layout.undilate_q(lsed.unsqueeze(-1), _NEG_INF).squeeze(-1))
@@ -516,7 +547,7 @@ def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed,
         if landed is not None:
             dkvs.append(landed)
     dkvs.append(_land(ring, i, branch, landing, []))
-    return _cat_heads(dqs), *(_cat_heads(list(g)) for g in zip(*dkvs))
+    return [_cat_heads(list(g)) for g in (dqs, *zip(*dkvs))]
 
 
 def _land(ring, i, branch, landing, after):
@@ -564,12 +595,10 @@ def _ring_backward_chunk(
                 continue
             with role("attention_backward", branch=i, step=step):
                 dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
-                    _rows(dod, layout, blk.q0, blk.q1, hq),
-                    _rows(qd, layout, blk.q0, blk.q1, hq),
-                    *_kv_rows(plan, layout, held, blk, hkv),
-                    _rows(od, layout, blk.q0, blk.q1, hq),
-                    _rows(lsed.unsqueeze(-1), layout, blk.q0, blk.q1, hq).squeeze(-1),
-                    None if held_bias is None else _bias_rows(held_bias, layout, blk.k0, blk.k1, hq),
+                    *(_rows(x, layout, blk.q0, blk.q1) for x in (dod, qd)),
+                    *_kv_rows(plan, layout, held, blk),
+                    *(_rows(x, layout, blk.q0, blk.q1) for x in (od, lsed)),
+                    None if held_bias is None else _rows(held_bias, layout, blk.k0, blk.k1, dim=3),
                     plan.scale,
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
@@ -595,7 +624,7 @@ def _ring_backward_chunk(
         if blocks or step <= 1:
             with role("merge", branch=i, step=step):
                 here = [
-                    _join_parts([_or_zeros(plan, p, layout, hkv, channels, kd) for p in parts], layout)
+                    torch.cat([_or_zeros(plan, p, layout, hkv, channels, kd) for p in parts], 2)
                     for parts, channels in ((dk_parts, plan.d), (dv_parts, plan.dv))
                 ]
                 if step == 0:
@@ -608,7 +637,7 @@ def _ring_backward_chunk(
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv = ring.wait(kv_flight, computed)
-    return _join_parts(dq_parts, layout), landed, (dkv_flight, home)
+    return torch.cat(dq_parts, 2), landed, (dkv_flight, home)
 
 
 def _or_zeros(plan: SitePlan, part, layout, heads: int, channels: int, like: torch.Tensor):
@@ -636,10 +665,16 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         with role("dilate", branch=i):
-            qd, dod, od = _dilate(plan, layout, ql, dol, out)
-            kd, vd = _dilate(plan, layout, kl, vl, kv=True, upcast=branch.is_local)
+            if branch.is_local:
+                qd, dod, od = _dilate(plan, layout, ql, dol, out)
+                kd, vd = _dilate(plan, layout, kl, vl, kv=True)
+                lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
+            else:
+                qd, dod, od = _ring_rows(plan, layout, ql, dol, out)
+                kd, vd = _ring_rows(plan, layout, kl, vl, kv=True)
+                (lsed,) = _ring_rows(plan, layout, lse.unsqueeze(-1), fill=float("inf"), upcast=False)
+                lsed = lsed.squeeze(-1)
             bias = _branch_bias(plan, branch, ql, ml)
-            lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
         if branch.is_local:
             ((blk,),) = branch.steps
             with role("attention_backward", branch=i):
@@ -648,9 +683,10 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
                     **_band_args(plan, branch, blk, None, qd, dp),
                 )
         else:
-            dqd, dkd, dvd = _ring_backward(
+            grads = _ring_backward(
                 plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp
             )
+            dqd, dkd, dvd = (_from_rows(g, layout) for g in grads)
         with role("undilate", branch=i):
             dq = _acc(plan, dq, layout.undilate_q(dqd))
             # Later branches add into the totals in stat_dtype (``_acc``), straight at their rows.

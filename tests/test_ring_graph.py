@@ -78,12 +78,14 @@ def test_transfer_counts_follow_the_plan(per_rank):
 
 
 def test_only_dilated_rows_travel(per_rank):
-    """A branch of rate r sends (m = part / r) rows per kv head: 1/r of the undilated ring."""
+    """A branch of rate r sends (m = part / r) rows of each part per kv head: 1/r of the
+    undilated ring (a ring branch holds a rank's parts one after another, Note [Rows of a ring
+    branch])."""
     (record,) = per_rank[0].records
     plan = record.plan
     for t in _send_recv(per_rank[0], "forward"):
         layout = plan.branches[_branch_of(t.tag)].layout
-        rows = (layout.batch * layout.nseg, layout.kv_heads, layout.m)
+        rows = (layout.batch, layout.kv_heads, layout.nseg * layout.m)
         assert t.shapes == ((*rows, plan.d), (*rows, plan.dv))
 
 
