@@ -44,6 +44,14 @@ is recomputed for each consumer, one kernel per block, head chunk and ring step 
 ranks, 30 kernels for the site, now 17; the C++ build of those kernels was most of the compile).
 The gathered copies are ``1/r`` of the inputs they come from.
 
+Note [Overlap across branches]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Within a ring, each step's transfer overlaps that step's blocks. A branch of a high rate has
+few rows per step to hide a transfer behind, but the site's local branches have many: so the
+forward starts every ring's first transfer before any branch computes, and the backward runs
+its rings first and lands their last dK/dV hop (the one with nothing after it in its ring) after
+the local branches computed. The order of the transfers is the same on every rank.
+
 Note [Padding the sequence]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 In replicated mode the site chooses how to cut the sequence, so a length the ranks cannot
@@ -410,26 +418,39 @@ def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
 
 
-def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed, docs):
-    """Out and lse of one ring branch, dilated, one head chunk after another."""
+def _chunk_kv(kd, vd, bias, qh: slice, kh: slice) -> list[torch.Tensor]:
+    """The K/V (and key bias) a head chunk sends round its ring."""
+    return [kd[:, kh], vd[:, kh]] + ([] if bias is None else [bias[:, qh]])
+
+
+def _first_transfer(plan, ring, i, branch, kind, kd, vd, bias):
+    """Start the first head chunk's step-0 transfer of a ring branch (Note [Overlap across
+    branches])."""
+    qh, kh = _chunks(plan, branch)[0]
+    with role("p2p", branch=i, step=0):
+        return ring.start(_chunk_kv(kd, vd, bias, qh, kh), kind, 0, 0)
+
+
+def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, first, seed, docs):
+    """Out and lse of one ring branch, dilated, one head chunk after another; ``first`` is the
+    first chunk's step-0 transfer, already started."""
     outs, lses = [], []
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
         out, lse = _ring_forward_chunk(
-            plan, ring, i, c, branch, heads, qd[:, qh], kd[:, kh], vd[:, kh],
-            None if bias is None else bias[:, qh], seed, docs, qh,
+            plan, ring, i, c, branch, heads, qd[:, qh], _chunk_kv(kd, vd, bias, qh, kh),
+            first if c == 0 else None, seed, docs, qh,
         )  # fmt: skip
         outs.append(out)
         lses.append(lse)
     return _cat_heads(outs), _cat_heads(lses)
 
 
-def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed, docs, qh):
+def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kv, first, seed, docs, qh):
     """Out and lse of one head chunk of a ring branch; K/V travel while each step computes, and
-    so does their key bias (a mask), if any."""
+    so does their key bias (a mask), if any (``kv``; ``first``: the step-0 transfer, if started)."""
     layout = branch.layout
     hq, hkv = heads
-    kv = [kd, vd] if bias is None else [kd, vd, bias]
     acc_out: list = [None] * layout.nseg
     acc_lse: list = [None] * layout.nseg
     for step, blocks in enumerate(branch.steps):
@@ -437,7 +458,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kd, vd, bias, seed,
         if moves:
             # NOTE: the next K/V start moving before this step's compute and arrive after it.
             with role("p2p", branch=i, step=step):
-                flight = ring.start(kv, KV, step, c)
+                flight = first if step == 0 and first is not None else ring.start(kv, KV, step, c)
         computed = []
         held, held_bias = _held(kv)
         for j, blk in enumerate(blocks):
@@ -489,18 +510,24 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
         ql, kl, vl = _local(plan, qp), _local(plan, kp), _local(plan, vp)
         ml = None if mp is None else _local(plan, mp)
         dp = None if docs is None else _padded(plan, docs)[0]
+    rings = {}  # ring branches: their inputs, their first transfer on its way
+    for i, branch in enumerate(plan.branches):
+        if not branch.is_local:
+            with role("dilate", branch=i):
+                (qd,) = _ring_rows(plan, branch.layout, ql)
+                kd, vd = _ring_rows(plan, branch.layout, kl, vl, kv=True)
+                bias = _branch_bias(plan, branch, ql, ml)
+            ring = _ring(rotater, i, branch)
+            first = _first_transfer(plan, ring, i, branch, KV, kd, vd, bias)
+            rings[i] = (ring, qd, kd, vd, bias, first)
     outs, lses = [], []
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
-        with role("dilate", branch=i):
-            if branch.is_local:
+        if branch.is_local:
+            with role("dilate", branch=i):
                 (qd,) = _dilate(plan, layout, ql)
                 kd, vd = _dilate(plan, layout, kl, vl, kv=True)
-            else:
-                (qd,) = _ring_rows(plan, layout, ql)
-                kd, vd = _ring_rows(plan, layout, kl, vl, kv=True)
-            bias = _branch_bias(plan, branch, ql, ml)
-        if branch.is_local:
+                bias = _branch_bias(plan, branch, ql, ml)
             ((blk,),) = branch.steps
             with role("attention", branch=i):
                 od, lsed = torch.ops.ring_rewrite.block_attention(
@@ -508,8 +535,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
                     **_band_args(plan, branch, blk, None, qd, dp),
                 )
         else:
-            ring = _ring(rotater, i, branch)
-            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, seed, dp)
+            ring, qd, kd, vd, bias, first = rings.pop(i)
+            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, first, seed, dp)
             od, lsed = _from_rows(od, layout), _from_rows(lsed, layout)
         with role("undilate", branch=i):
             outs.append(layout.undilate_q(od))
@@ -533,7 +560,8 @@ def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed,
     head chunk after another.
 
     NOTE: a chunk's dK/dV make their last hop home while the next chunk's first step computes
-    (``landing``); only the last chunk's last hop is waited for with nothing to overlap.
+    (``landing``); the last chunk's last hop is the caller's to land (``_ring_landed``), after
+    compute it overlaps (Note [Overlap across branches]). Returns ``(dq, landed, landing)``.
     """
     dqs, dkvs = [], []
     landing = None  # the previous chunk's dK/dV on their way home (_land)
@@ -546,8 +574,14 @@ def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed,
         dqs.append(dq)
         if landed is not None:
             dkvs.append(landed)
-    dkvs.append(_land(ring, i, branch, landing, []))
-    return [_cat_heads(list(g)) for g in (dqs, *zip(*dkvs))]
+    return _cat_heads(dqs), dkvs, landing
+
+
+def _ring_landed(ring, i, branch, landed, landing, after) -> list[torch.Tensor]:
+    """dk and dv of a ring branch once its last chunk's accumulators are home, waited for after
+    ``after``."""
+    landed = [*landed, _land(ring, i, branch, landing, after)]
+    return [_cat_heads(list(g)) for g in zip(*landed)]
 
 
 def _land(ring, i, branch, landing, after):
@@ -648,6 +682,15 @@ def _or_zeros(plan: SitePlan, part, layout, heads: int, channels: int, like: tor
     return like.new_zeros(shape, dtype=plan.stat_dtype)
 
 
+def _add_kv(plan: SitePlan, i: int, layout, dkd, dvd, dk, dv):
+    """Branch ``i``'s dilated dK/dV added into the totals ``dk``, ``dv`` (None: the first)."""
+    with role("undilate", branch=i):
+        # Later branches add into the totals in stat_dtype (``_acc``), straight at their rows.
+        dk = layout.accumulate_kv(dkd if dk is None else dkd.to(plan.stat_dtype), plan.d, into=dk)
+        dv = layout.accumulate_kv(dvd if dv is None else dvd.to(plan.stat_dtype), plan.dv, into=dv)
+    return dk, dv
+
+
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
     token and the seed)."""
@@ -662,7 +705,12 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         ml = None if mp is None else _local(plan, mp)
         dp = None if docs is None else _padded(plan, docs)[0]
     dq = dk = dv = None
-    for i, branch in enumerate(plan.branches):
+    landing = {}  # ring branches whose last dK/dV are on their way home
+    computed = []  # what the local branches computed, after which those land
+    # Ring branches first: their last hops land while the local branches compute.
+    order = sorted(range(len(plan.branches)), key=lambda i: plan.branches[i].is_local)
+    for i in order:
+        branch = plan.branches[i]
         layout = branch.layout
         with role("dilate", branch=i):
             if branch.is_local:
@@ -682,16 +730,20 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
                     dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
                     **_band_args(plan, branch, blk, None, qd, dp),
                 )
+            computed += [dqd, dkd, dvd]
         else:
-            grads = _ring_backward(
-                plan, _ring(rotater, i, branch), i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp
-            )
-            dqd, dkd, dvd = (_from_rows(g, layout) for g in grads)
+            ring = _ring(rotater, i, branch)
+            dqd, *landing[i] = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp)
+            landing[i] = (ring, *landing[i])
+            dqd, dkd, dvd = _from_rows(dqd, layout), None, None
         with role("undilate", branch=i):
             dq = _acc(plan, dq, layout.undilate_q(dqd))
-            # Later branches add into the totals in stat_dtype (``_acc``), straight at their rows.
-            dk = layout.accumulate_kv(dkd if dk is None else dkd.to(plan.stat_dtype), plan.d, into=dk)
-            dv = layout.accumulate_kv(dvd if dv is None else dvd.to(plan.stat_dtype), plan.dv, into=dv)
+        if dkd is not None:
+            dk, dv = _add_kv(plan, i, layout, dkd, dvd, dk, dv)
+    for i, (ring, landed, last) in landing.items():
+        branch = plan.branches[i]
+        dkd, dvd = (_from_rows(g, branch.layout) for g in _ring_landed(ring, i, branch, landed, last, computed))
+        dk, dv = _add_kv(plan, i, branch.layout, dkd, dvd, dk, dv)
     with role("undilate"):
         grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
     if plan.gathers:
