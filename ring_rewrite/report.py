@@ -245,13 +245,15 @@ def _ring_chunk(plan: SitePlan, branch, backward: bool) -> int:
     q_rows, kv_rows = _dilated_rows(plan, branch)
     kv = kv_rows * (d + dv)
     message = kv * item + (q_rows * compute if plan.needs_bias(branch) else 0)  # the keys' bias too
-    # Received K/V held and the next arriving; a ring of two holds its own at step 0, then one.
+    # Received K/V held and the next arriving (at step 0 the own K/V are the inputs or the
+    # dilated copies); a ring of two receives once.
     total = (2 if len(branch.ring) > 2 else 1) * message
     if backward:
         total += 3 * kv * stat
     blocks = [blk for step in branch.steps for blk in step]
     part = plan.batch * plan.hq * layout.m  # query rows of one part
-    total += sum(blk.q1 - blk.q0 for blk in blocks) * part * (d * stat if backward else dv * compute + stat)
+    result = d * stat if backward else dv * compute + stat
+    total += sum(blk.q1 - blk.q0 for blk in blocks) * part * result
     blk = max(blocks, key=lambda b: (b.q1 - b.q0, b.k1 - b.k0))
     lengths = ((blk.q1 - blk.q0) * layout.m, (blk.k1 - blk.k0) * layout.m)
     bq, bk = (blk.q1 - blk.q0) * part, (blk.k1 - blk.k0) * plan.batch * layout.kv_heads * layout.m
@@ -279,9 +281,9 @@ def _copies(plan: SitePlan, branch, backward: bool) -> int:
 def _local_work(plan: SitePlan, branch, backward: bool) -> int:
     """What a local branch needs while it runs beyond its results: its dilated copies and its
     block call's scratch."""
-    q_rows, kv_rows = _dilated_rows(plan, branch)
     m = branch.layout.m
-    return _copies(plan, branch, backward) + _block_extra(plan, branch, (q_rows, kv_rows), (m, m), backward)
+    scratch = _block_extra(plan, branch, _dilated_rows(plan, branch), (m, m), backward)
+    return _copies(plan, branch, backward) + scratch
 
 
 def _branches_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
