@@ -12,7 +12,7 @@ For each N (one fresh set of P processes, one thread each): the first forward + 
 (compiles, then runs), then one measured step: seconds, tokens/s (N over the step), the rise of
 peak RSS over RSS before the step (inputs excluded; glibc serves large allocations with mmap, so
 freed tensors leave RSS), the report's own peak estimate for the same plan
-(``report.attention_memory_bytes``: no kernel scratch) and the bytes the ring sent (the P2P
+(``report.attention_memory_bytes``, Note [Memory of a site]) and the bytes the ring sent (the P2P
 counter) against the plan's. Before the next N, the plan and the measured peak at this N say
 whether it can fit: an N whose predicted peak (measured bytes per token, scaled) exceeds the
 memory available is reported as not run rather than left to the OOM killer.

@@ -1,4 +1,47 @@
-"""What the rewrite did, site by site: ``explain()`` and the table it prints."""
+"""What the rewrite did, site by site: ``explain()`` and the table it prints, and what a site
+costs per rank: FLOPs, bytes sent, memory.
+
+Note [Memory of a site]
+~~~~~~~~~~~~~~~~~~~~~~~
+What a site holds at once on one rank, as inductor (the default compiler) schedules its forward
+and backward bodies. Three facts of the generated code set it:
+
+* Merges and gradient sums are pointwise, so inductor computes each in one kernel at the end, and
+  every branch's results wait for it: forward, each branch's dilated out and lse until the merge
+  writes ``out``; backward, each branch's dilated dq, dk, dv until one kernel writes their sum
+  (``accumulate_kv``'s index_add too) into the site's dq, dk, dv. Within a ring the same holds
+  for a head chunk: the out (or dq) of every block of every step waits for its last step.
+* Ring branches run first and in order (the token chains their transfers). Local branches need
+  no token and come after them, in an order inductor picks for a low peak (``memory.py``'s
+  ``reorder_for_peak_memory``), counted here as the order that holds least: the largest working
+  set first. A branch runs holding the results of those before it.
+* The CPU flash kernel returns a block's dq, dk, dv in its own layout, and ``_cpu_backward``
+  copies them contiguous one at a time: the block's gradients plus the largest of them. With
+  dropout, query rows go ``DROPOUT_CHUNK`` scores at a time, and two chunks' scores,
+  probabilities and masks overlap (``kernels.py``); with a band or documents, two chunks' masks
+  and one chunk's position differences (``BAND_CHUNK`` pairs) come on top, and the row chunks'
+  results beside their concatenation (``ops.py``).
+
+So the backward peak is ``saved`` plus the largest of
+
+* a ring branch running: the earlier rings' gradients, its head chunks done, its dilated copies
+  (q, dout, out, lse, K/V at r > 1, gathered once: Note [Rows of a ring branch] in
+  ``attention.py``) and one chunk's buffers: K/V held and arriving, the dK/dV share kept home, an
+  accumulator leaving and the next, each block's dq, the largest block's kernel gradients and
+  scratch;
+* a local branch running: the gradients of those before it and its own, its dilated copies
+  (the same, K/V in the compute dtype) and its kernel's scratch;
+* the sum: every branch's gradients and the site's dq, dk, dv (none new when a lone rate-1
+  branch's gradients are already the site's);
+* in replicated mode, the gathers: the whole output (which the caller holds through the
+  backward), the whole gradients, and the received and stacked shards of the one being gathered.
+
+The forward peak is the same with outs for gradients. Not counted: the flash kernel's per-thread
+tiles (about 1 MiB a thread), what the allocator keeps after frees (small tensors in glibc's
+heap), and the CUDA kernel's own workspace (the CPU kernel's scratch stands in for it, Note [The
+CUDA entry is untested] in ``kernels.py``). ``benchmarks/ring_memory.py`` and
+``benchmarks/scale.py`` print the estimate beside the measured peaks.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +55,8 @@ from tabulate import tabulate
 from .attention import SitePlan
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
+from .kernels import DROPOUT_CHUNK
+from .ops import BAND_CHUNK
 
 __all__ = [
     "Report", "explain", "attention_flops", "attention_memory_bytes", "branch_bytes_sent", "branch_flops",
@@ -89,29 +134,195 @@ def branch_bytes_sent(plan: SitePlan, branch) -> dict[str, int]:
 
 
 def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
-    """Estimated activation memory of the site on this rank, in bytes.
+    """Estimated activation memory of the site on this rank, in bytes (Note [Memory of a site]).
 
     ``saved``: what forward keeps for backward (merged out and lse, float32 or float64; q, k, v are the
-    inputs'). ``peak``: ``saved`` plus the gradients handed back, plus the largest branch's
-    dilated copies (rate > 1) and ring buffers (K/V arriving; dK/dV in float32 or float64: the owner's step-0
-    share, an accumulator sent, one arriving).
-    Kernel scratch is left out: measured peaks run up to a third higher (benchmarks/README.md).
+    inputs'). ``peak``: the most the site holds at once beyond its inputs, forward or backward: the
+    saved tensors, each branch's results until one kernel merges or sums them, a ring's buffers, a
+    branch's dilated copies and the block kernel's scratch.
     """
-    item, compute = _itemsize(plan.dtype), _itemsize(plan.compute_dtype)
-    stat = _itemsize(plan.stat_dtype)
+    out, lse = _site_out(plan)
+    return {"saved": out + lse, "peak": max(_forward_peak(plan), _backward_peak(plan))}
+
+
+def _itemsizes(plan: SitePlan) -> tuple[int, int, int]:
+    """Bytes per element of the inputs, of what blocks compute in, and of the statistics."""
+    return _itemsize(plan.dtype), _itemsize(plan.compute_dtype), _itemsize(plan.stat_dtype)
+
+
+def _site_out(plan: SitePlan) -> tuple[int, int]:
+    """Bytes of the site's merged out and lse on this rank."""
     rows = plan.batch * plan.hq * plan.n_local
-    saved = rows * plan.dv * item + rows * stat
-    grads = (rows * plan.d + plan.batch * plan.hkv * plan.n_local * (plan.d + plan.dv)) * item
-    branch_peak = 0
-    for branch in plan.branches:
-        layout = branch.layout
-        q_rows = plan.batch * plan.hq * layout.padded // layout.r
-        kv = plan.batch * layout.kv_heads * layout.padded // layout.r * (plan.d + plan.dv)
-        copies = q_rows * (2 * plan.d + plan.dv) * compute + kv * item if layout.r > 1 else 0
-        # One head chunk's ring buffers at a time (Note [Head chunks]).
-        in_flight = 0 if branch.is_local else (kv * item + 3 * kv * stat) // plan.head_chunks(branch)
-        branch_peak = max(branch_peak, copies + in_flight)
-    return {"saved": saved, "peak": saved + grads + branch_peak}
+    return rows * plan.dv * _itemsize(plan.dtype), rows * _itemsize(plan.stat_dtype)
+
+
+def _dilated_rows(plan: SitePlan, branch) -> tuple[int, int]:
+    """Query rows and key rows of a branch on this rank, over every head (its dilated kv heads
+    for the keys) and the batch."""
+    layout = branch.layout
+    per_head = plan.batch * layout.padded // layout.r
+    return per_head * plan.hq, per_head * layout.kv_heads
+
+
+def _gathered(branch) -> bool:
+    """Whether a branch's dilated rows are copies (a gather at r > 1, or padding), not views."""
+    return branch.layout.r > 1 or branch.layout.padded != branch.layout.n
+
+
+def _in_place(plan: SitePlan) -> bool:
+    """Whether the site's out and gradients are its lone branch's own, with nothing to merge or
+    sum: rate 1, one segment, no cast, and a ring's head chunks landed in one buffer each."""
+    if len(plan.branches) > 1:
+        return False
+    (branch,) = plan.branches
+    item, compute, stat = _itemsizes(plan)
+    return (
+        branch.layout.r == 1 and branch.layout.nseg == 1 and not plan.pad and item == compute == stat
+        and (branch.is_local or plan.head_chunks(branch) > 1)
+    )  # fmt: skip
+
+
+def _branch_outs(plan: SitePlan, branch) -> int:
+    """What a branch's forward leaves for the merge: its dilated out and lse."""
+    _, compute, stat = _itemsizes(plan)
+    return _dilated_rows(plan, branch)[0] * (plan.dv * compute + stat)
+
+
+def _branch_grads(plan: SitePlan, branch) -> int:
+    """What a branch's backward leaves for the sum: its dilated dq, dk, dv; a ring of one head
+    chunk also its dK/dV share kept home beside the accumulator that came back (``_land``)."""
+    _, compute, stat = _itemsizes(plan)
+    q_rows, kv_rows = _dilated_rows(plan, branch)
+    dkv = kv_rows * (plan.d + plan.dv)
+    if branch.is_local:
+        return (q_rows * plan.d + dkv) * compute
+    landing = dkv if plan.head_chunks(branch) == 1 else 0
+    return (q_rows * plan.d + dkv + landing) * stat
+
+
+def _block_extra(
+    plan: SitePlan, branch, rows: tuple[int, int], lengths: tuple[int, int], backward: bool
+) -> int:
+    """Scratch of one block call of ``branch`` beyond its results: ``rows`` query and key rows
+    over every head and batch, ``lengths`` per head and batch."""
+    _, compute, stat = _itemsizes(plan)
+    d, dv = plan.d, plan.dv
+    (q_rows, kv_rows), (length, keys) = rows, lengths
+    # The kernel's gradients, one of them beside its contiguous copy.
+    extra = max(q_rows * d, kv_rows * d, kv_rows * dv) * compute if backward else 0
+    scores = q_rows // length * keys  # of one query row, over every head and batch
+    if plan.band is not None or plan.documents:
+        chunk = min(length, max(1, BAND_CHUNK // scores))
+        pairs = chunk * (scores if plan.documents or plan.needs_bias(branch) else keys)
+        several = chunk < length
+        # A chunk's mask (zeros, then masked), its position differences (int64) and two bool
+        # masks; with several chunks the previous chunk's mask is still held, and the chunks'
+        # results wait for their concatenation (forward, once the masks are gone) or, backward,
+        # a chunk's dk, dv sit beside the running sums.
+        masks = pairs * ((3 if several else 2) * compute + 8 + 2)
+        if not several:
+            extra += masks
+        elif backward:
+            extra += masks + q_rows * d * compute + kv_rows * (d + dv) * stat
+        else:
+            extra += max(masks, q_rows * dv * compute)
+    if plan.dropout:
+        chunk = min(length, max(1, DROPOUT_CHUNK // scores))
+        several = chunk < length  # then two chunks' scores, probabilities and masks overlap
+        tensors = (7 if several else 6) if backward else (6 if several else 4)
+        extra += tensors * chunk * scores * stat
+    return extra
+
+
+def _ring_chunk(plan: SitePlan, branch, backward: bool) -> int:
+    """What a ring branch needs at its busiest step beyond its results, over all heads (one head
+    chunk needs ``1 / head_chunks`` of it): K/V held and arriving; the blocks' out and lse, or dq,
+    until the last step merges or sums them; the largest block's kernel gradients and scratch;
+    backward, the dK/dV share kept home, an accumulator leaving and the next."""
+    item, compute, stat = _itemsizes(plan)
+    d, dv = plan.d, plan.dv
+    layout = branch.layout
+    q_rows, kv_rows = _dilated_rows(plan, branch)
+    kv = kv_rows * (d + dv)
+    message = kv * item + (q_rows * compute if plan.needs_bias(branch) else 0)  # the keys' bias too
+    # Received K/V held and the next arriving (at step 0 the own K/V are the inputs or the
+    # dilated copies); a ring of two receives once.
+    total = (2 if len(branch.ring) > 2 else 1) * message
+    if backward:
+        total += 3 * kv * stat
+    blocks = [blk for step in branch.steps for blk in step]
+    part = plan.batch * plan.hq * layout.m  # query rows of one part
+    result = d * stat if backward else dv * compute + stat
+    total += sum(blk.q1 - blk.q0 for blk in blocks) * part * result
+    blk = max(blocks, key=lambda b: (b.q1 - b.q0, b.k1 - b.k0))
+    lengths = ((blk.q1 - blk.q0) * layout.m, (blk.k1 - blk.k0) * layout.m)
+    bq, bk = (blk.q1 - blk.q0) * part, (blk.k1 - blk.k0) * plan.batch * layout.kv_heads * layout.m
+    if compute != item:  # a block's K/V rows upcast
+        total += bk * (d + dv) * compute
+    if backward:
+        total += (bq * d + bk * (d + dv)) * compute  # the kernel's gradients, in its layout
+    return total + _block_extra(plan, branch, (bq, bk), lengths, backward)
+
+
+def _copies(plan: SitePlan, branch, backward: bool) -> int:
+    """A branch's dilated copies, held while it runs: q (and backward dout, out) in the compute
+    dtype, K/V (a ring's in the input dtype: they travel), backward lse; the keys' bias. None at
+    rate 1 without padding: the rows are views of the inputs (Note [Rows of a ring branch])."""
+    item, compute, stat = _itemsizes(plan)
+    d, dv = plan.d, plan.dv
+    q_rows, kv_rows = _dilated_rows(plan, branch)
+    copies = q_rows * compute if plan.needs_bias(branch) else 0
+    if _gathered(branch):
+        copies += q_rows * ((d + 2 * dv) * compute + stat if backward else d * compute)
+        copies += kv_rows * (d + dv) * (compute if branch.is_local else item)
+    return copies
+
+
+def _local_work(plan: SitePlan, branch, backward: bool) -> int:
+    """What a local branch needs while it runs beyond its results: its dilated copies and its
+    block call's scratch."""
+    m = branch.layout.m
+    scratch = _block_extra(plan, branch, _dilated_rows(plan, branch), (m, m), backward)
+    return _copies(plan, branch, backward) + scratch
+
+
+def _branches_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
+    """The most held while a branch runs, with the ``results`` of the branches before it, and the
+    results of every branch (Note [Memory of a site])."""
+    held, peak = 0, 0
+    for branch in (b for b in plan.branches if not b.is_local):
+        chunks = plan.head_chunks(branch)
+        done = results(plan, branch) * (chunks - 1) // chunks
+        work = _copies(plan, branch, backward) + _ring_chunk(plan, branch, backward) // chunks
+        peak = max(peak, held + done + work)
+        held += results(plan, branch)
+    # Local branches in the order that holds least: the largest working set first.
+    local = [(_local_work(plan, b, backward), results(plan, b)) for b in plan.branches if b.is_local]
+    for work, result in sorted(local, reverse=True):
+        peak = max(peak, held + result + work)
+        held += result
+    return peak, held
+
+
+def _forward_peak(plan: SitePlan) -> int:
+    out, lse = _site_out(plan)
+    peak, held = _branches_peak(plan, _branch_outs, backward=False)
+    peak = max(peak, held + (0 if _in_place(plan) else out + lse))
+    if plan.gathers:  # every rank's out received, then stacked (and assembled)
+        peak = max(peak, out + lse + 2 * plan.world * out)
+    return peak
+
+
+def _backward_peak(plan: SitePlan) -> int:
+    item = _itemsize(plan.dtype)
+    out, lse = _site_out(plan)
+    rows, kv_rows = plan.batch * plan.hq * plan.n_local, plan.batch * plan.hkv * plan.n_local
+    grads = [rows * plan.d * item, kv_rows * plan.d * item, kv_rows * plan.dv * item]
+    peak, held = _branches_peak(plan, _branch_grads, backward=True)
+    peak = max(peak, held + (0 if _in_place(plan) else sum(grads)))
+    if plan.gathers:  # the whole out (the caller's) and gradients; received and stacked shards
+        peak = max(peak, plan.world * (out + sum(grads)) + 2 * plan.world * max(grads))
+    return out + lse + peak
 
 
 def _branch_summary(plan: SitePlan, branch) -> str:

@@ -114,8 +114,8 @@ class ScalePlan:
             f"forward, {_gib(totals['sent backward'])} GiB backward; largest message "
             f"{totals['largest message'] / 2**20:.4g} MiB",
             f"memory per layer: q, k, v {_gib(totals['q, k, v'])} GiB; saved for backward "
-            f"{_gib(totals['saved'])} GiB; attention peak {_gib(totals['peak'])} GiB (estimate: "
-            "no kernel scratch)",
+            f"{_gib(totals['saved'])} GiB; attention peak {_gib(totals['peak'])} GiB (estimate "
+            "as inductor schedules the site, Note [Memory of a site])",
         ]
         if self.layers > 1:
             lines.append(

@@ -79,3 +79,26 @@ def test_a_billion_tokens_over_512_ranks():
 def test_a_config_the_shards_cannot_carry_raises():
     with pytest.raises(ValueError, match="not a multiple of the dilation rate"):
         ring_rewrite.plan(4096, 64, heads=4, head_dim=16, segment_lengths=[16, 4096], dilation_rates=[1, 64])
+
+
+def test_memory_of_branches_waiting_for_their_sum():
+    """Two local branches at P = 1 (Note [Memory of a site]): inductor sums the branches'
+    gradients in one kernel at the end, so the backward peak is the saved out and lse, both
+    branches' dilated dq, dk, dv (rate 2 halves the rows) and the site's dq, dk, dv."""
+    site = ring_rewrite.plan(
+        64, 1, heads=2, head_dim=8, dtype=torch.float32, device="cpu", segment_lengths=[16, 64],
+        dilation_rates=[1, 2],
+    ).site  # fmt: skip
+    q = 2 * 64 * 8 * 4  # bytes of q, and of out, dq, dk, dv
+    saved = q + 2 * 64 * 4
+    assert attention_memory_bytes(site) == {"saved": saved, "peak": saved + 3 * q + 3 * q // 2 + 3 * q}
+
+
+def test_memory_of_a_lone_rate_one_branch():
+    """Exact attention at P = 1: the branch's gradients are the site's (nothing to sum), so the
+    peak is the saved tensors and the kernel's dq, dk, dv, one of them beside its contiguous
+    copy (dq, the largest: 2 query heads per kv head)."""
+    site = ring_rewrite.plan(64, 1, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu").site
+    q = 4 * 64 * 8 * 4
+    saved = q + 4 * 64 * 4
+    assert attention_memory_bytes(site) == {"saved": saved, "peak": saved + (q + q // 2 + q // 2) + q}
