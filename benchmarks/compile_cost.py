@@ -248,10 +248,17 @@ def measure(case: Case) -> dict[str, Any]:
     def step() -> None:
         compiled(x).sum().backward()
 
+    timed = _compile_timed(case, step)
+    checked = case.world == 1 or case.config == BASELINE  # see the module's docstring
+    return {**timed, "rel_err": check(case, model, compiled, x) if checked else None}
+
+
+def _compile_timed(case: Case | SiteCase, step: Callable[[], None]) -> dict[str, Any]:
+    """The first ``step()`` (it compiles) and ``WARM_STEPS`` more: compile seconds (the first
+    minus the median warm step), wall and CPU, with dynamo's timers and counters."""
     first_wall, first_cpu = _timed(step)
     warm = [_timed(step) for _ in range(WARM_STEPS)]
     warm_wall, warm_cpu = (statistics.median(t) for t in zip(*warm))
-    checked = case.world == 1 or case.config == BASELINE  # see the module's docstring
     return {
         **dataclasses.asdict(case),
         "compile_s": first_wall - warm_wall,
@@ -260,7 +267,6 @@ def measure(case: Case) -> dict[str, Any]:
         "warm_step_s": warm_wall,
         "timers_s": _timers(),
         **_counters(),
-        "rel_err": check(case, model, compiled, x) if checked else None,
     }
 
 
@@ -362,18 +368,7 @@ def measure_site(case: SiteCase) -> dict[str, Any]:
     def step() -> None:
         compiled(q, k, v).sum().backward()
 
-    first_wall, first_cpu = _timed(step)
-    warm = [_timed(step) for _ in range(WARM_STEPS)]
-    warm_wall, warm_cpu = (statistics.median(t) for t in zip(*warm))
-    return {
-        **dataclasses.asdict(case),
-        "compile_s": first_wall - warm_wall,
-        "compile_cpu_s": first_cpu - warm_cpu,
-        "first_step_s": first_wall,
-        "warm_step_s": warm_wall,
-        "timers_s": _timers(),
-        **_counters(),
-    }
+    return _compile_timed(case, step)
 
 
 def _site_cases(opts: argparse.Namespace) -> list[SiteCase]:
@@ -389,13 +384,11 @@ def _site_cases(opts: argparse.Namespace) -> list[SiteCase]:
 def _site_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for r in runs:
-        t = r["timers_s"]
+        case = SiteCase(seq=r["seq"], world=r["world"], branches=r["branches"])
+        phases = _phases(r)
+        del phases["dynamo trace s"]
         rows.append({
-            "N": r["seq"], "P": r["world"], "branches": r["branches"], **site_shape(SiteCase(
-                seq=r["seq"], world=r["world"], branches=r["branches"])),
-            "compile s": r["compile_s"], "cpu s": r["compile_cpu_s"],
-            "passes + AOT s": t["backend"] - t["fw_compile"], "inductor s": t["inductor"] - t["cpp"],
-            "C++ build s": t["cpp"], "C++ modules": r["cpp_modules"], "extern calls": r["extern_calls"],
+            "N": r["seq"], "P": r["world"], "branches": r["branches"], **site_shape(case), **phases,
             "warm step s": r["warm_step_s"],
         })  # fmt: skip
     return rows
@@ -469,21 +462,25 @@ def _rows(runs: list[dict[str, Any]], configs: list[str]) -> list[dict[str, Any]
     return rows
 
 
+def _phases(r: dict[str, Any]) -> dict[str, Any]:
+    """A run's compile time split by dynamo's timers (see ``TIMERS``), and what it built."""
+    t = r["timers_s"]
+    return {
+        "compile s": r["compile_s"], "cpu s": r["compile_cpu_s"],
+        "dynamo trace s": t["frame"] - t["backend"],
+        "passes + AOT s": t["backend"] - t["fw_compile"],
+        "inductor s": t["inductor"] - t["cpp"],
+        "C++ build s": t["cpp"],
+        "C++ modules": r["cpp_modules"], "extern calls": r["extern_calls"],
+    }  # fmt: skip
+
+
 def _phase_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each run's compile time split by dynamo's timers (see ``TIMERS``)."""
-    rows = []
-    for r in runs:
-        t = r["timers_s"]
-        rows.append({
-            "layers": r["layers"], "P": r["world"], "config": r["config"], "compile s": r["compile_s"],
-            "cpu s": r["compile_cpu_s"],
-            "dynamo trace s": t["frame"] - t["backend"],
-            "passes + AOT s": t["backend"] - t["fw_compile"],
-            "inductor s": t["inductor"] - t["cpp"],
-            "C++ build s": t["cpp"],
-            "C++ modules": r["cpp_modules"], "extern calls": r["extern_calls"], "graphs": r["graphs"],
-        })  # fmt: skip
-    return rows
+    return [
+        {"layers": r["layers"], "P": r["world"], "config": r["config"], **_phases(r), "graphs": r["graphs"]}
+        for r in runs
+    ]
 
 
 def _plot(runs: list[dict[str, Any]], path: Path) -> None:

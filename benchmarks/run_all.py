@@ -28,8 +28,10 @@ BENCHMARKS = {
     "ring_memory_longnet": ("ring_memory.py", ["--config", "longnet"], "ring_memory_longnet.json"),
     "ring_comm": ("ring_comm.py", [], "ring_comm.json"),
     "compile_cost": ("compile_cost.py", [], "compile_cost.json"),
+    "compile_cost_site": ("compile_cost.py", ["--site"], "compile_cost_site.json"),
     "fault_soak": ("fault_soak.py", [], "fault_soak.json"),
     "scale": ("scale.py", [], "scale.json"),
+    "overlap": ("overlap.py", [], "overlap.json"),
 }
 
 
