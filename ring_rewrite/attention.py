@@ -41,7 +41,7 @@ and its out, lse and gradients split back into parts by views. With ``r = 1`` th
 the rank's sequence itself (no copy). Otherwise the dilation gathers each tensor once per
 branch, and ``_materialized`` keeps it one buffer: under inductor a cheap gather feeding slices
 is recomputed for each consumer, one kernel per block, head chunk and ring step (at 64k on 4
-ranks, 30 kernels for the site, now 17; the C++ build of those kernels was most of the compile).
+ranks, 30 kernels for the site, now 18; the C++ build of those kernels was most of the compile).
 The gathered copies are ``1/r`` of the inputs they come from.
 
 Note [Overlap across branches]
@@ -733,8 +733,8 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
             computed += [dqd, dkd, dvd]
         else:
             ring = _ring(rotater, i, branch)
-            dqd, *landing[i] = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp)
-            landing[i] = (ring, *landing[i])
+            dqd, landed, last = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp)
+            landing[i] = (ring, landed, last)
             dqd, dkd, dvd = _from_rows(dqd, layout), None, None
         with role("undilate", branch=i):
             dq = _acc(plan, dq, layout.undilate_q(dqd))
