@@ -25,12 +25,17 @@ merged softmax (SPEC §2): ``O = sum_t Z_t exp(s_t - L) v_t`` with ``Z_t = keep_
 whose expectation is the undropped ``O``. With ``P = exp(s - L)`` and ``O`` the merged (dropped)
 output, the backward is ``dS = P * (Z * dO·v - rowsum(dO * O))``, ``dV = (P * Z)^T dO``.
 
-Note [The CUDA entry is untested]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-No GPU has run it. It is written against torch's memory-efficient attention, the CUDA kernel that
-takes an additive bias and returns the log-sum-exp; ``tests/test_kernels.py`` checks only its
-shapes, on meta tensors. Until a GPU run of the numerics suite checks it, the README lists CUDA
-as untested.
+Note [The CUDA entry's tests]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+It runs torch's memory-efficient attention, the CUDA kernel that takes an additive bias and
+returns the log-sum-exp. ``tests/test_cuda.py`` ran on one NVIDIA H200 with torch 2.11.0+cu130
+on 2026-11-26, its 52 tests all passing: float32 under inductor and aot_eager (exact, LongNet and
+rate-8 configs; MHA, GQA, d != dv with a scale; causal or not) within 1e-5 of the float64
+reference (1.7e-6 at most); key-padding masks, a fully masked batch row giving exactly 0; bf16
+and fp16 within 2x of the error of SDPA in that dtype (1.6x at most, fp16 LongNet: each branch's
+output is rounded to half before the merge). P = 1 only: one GPU runs no ring of processes
+(NCCL). The CPU CI skips that file (no CUDA device); ``tests/test_kernels.py`` checks the entry's
+shapes on meta tensors there.
 """
 
 from __future__ import annotations
@@ -61,11 +66,11 @@ class BlockKernel:
     compute_dtype: Callable[[torch.dtype], torch.dtype]
     """The dtype blocks compute in, for a site's input dtype."""
     tested: bool
-    """Whether the test suite runs it (Note [The CUDA entry is untested])."""
+    """Whether a test suite has run it (Note [The CUDA entry's tests])."""
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    """The flash kernels read the last dim as contiguous (aten's SDPA checks this too)."""
+    """The fused kernels read the last dim as contiguous (aten's SDPA checks this too)."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -111,7 +116,7 @@ def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-# ---- CUDA: the memory-efficient kernel (Note [The CUDA entry is untested]) ------------------
+# ---- CUDA: the memory-efficient kernel (Note [The CUDA entry's tests]) ----------------------
 
 _CUDA_ALIGN = 8  # head sizes are padded to a multiple of this, as SDPA's front end does
 _CUDA_LSE_ROWS = 32  # the kernel's lse rows come padded to a multiple of this
@@ -124,26 +129,42 @@ def _cuda_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
 
 def _cuda_bias(bias, q, k):
     """The key bias broadcast to ``(B, Hq, L, S)``, its rows aligned as SDPA's front end aligns
-    a mask (padded to a multiple of 16 keys, then viewed back)."""
+    a mask (padded to a multiple of 16 keys, then viewed back): the kernel reads it in aligned
+    vectors, and checks every stride but the last."""
     if bias is None:
         return None
-    s = k.shape[-2]
-    padded = F.pad(bias, (0, -s % 16)) if s % 16 else bias
-    return padded[..., :s].expand(q.shape[0], q.shape[1], q.shape[2], s)
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[-2])
+    s = shape[-1]
+    if s % 16:
+        bias = F.pad(bias, (0, -s % 16))[..., :s]
+    view = bias.expand(shape)
+    if view.stride(-1) != 1 or any(x % 16 for x, n in zip(view.stride()[:-1], shape[:-1]) if n > 1):
+        view = bias.contiguous().expand(shape)  # s is a multiple of 16 here
+    return view
 
 
-def _cuda_pad(q, k, v):
+def _cuda_inputs(q, k, v):
+    """q, k, v as the kernel takes them: unit stride, one K/V head per query head, head sizes
+    padded with zeros."""
+    hq = q.shape[1]
+    q, k, v = _unit_stride(q), _cuda_heads(_unit_stride(k), hq), _cuda_heads(_unit_stride(v), hq)
     d, dv = q.shape[-1], v.shape[-1]
     qk = d + -d % _CUDA_ALIGN
     return _pad_last(q, qk), _pad_last(k, qk), _pad_last(v, dv + -dv % _CUDA_ALIGN)
 
 
+def _sdpa_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, L, C)`` laid out as ``(B, L, H, C)``, as SDPA's forward returns its output.
+    NOTE: the half kernels' backward computes ``rowsum(dO * O)`` reading ``out`` so laid out,
+    whatever its strides say (xformers' ``o_strideM() = H * Dv``)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cuda_forward(q, k, v, bias, scale, is_causal):
     length, dv = q.shape[-2], v.shape[-1]
-    k, v = _cuda_heads(k, q.shape[1]), _cuda_heads(v, q.shape[1])
-    qp, kp, vp = _cuda_pad(q, k, v)
+    qp, kp, vp = _cuda_inputs(q, k, v)
     out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
-        qp, kp, vp, _cuda_bias(bias, q, k), True, 0.0, is_causal, scale=scale
+        qp, kp, vp, _cuda_bias(bias, qp, kp), True, 0.0, is_causal, scale=scale
     )
     lse = lse[..., :length]
     # A row with nothing to attend (its lse not finite, whichever way): zeros, as on CPU.
@@ -153,13 +174,12 @@ def _cuda_forward(q, k, v, bias, scale, is_causal):
 
 def _cuda_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
     hkv, d, dv = k.shape[1], q.shape[-1], v.shape[-1]
-    k, v = _cuda_heads(k, q.shape[1]), _cuda_heads(v, q.shape[1])
-    qp, kp, vp = _cuda_pad(q, k, v)
-    dout, out = _pad_last(dout, vp.shape[-1]), _pad_last(out, vp.shape[-1])
+    qp, kp, vp = _cuda_inputs(q, k, v)
+    dout, out = (_sdpa_layout(_pad_last(x, vp.shape[-1])) for x in (dout, out))
     lse = F.pad(lse.float(), (0, -lse.shape[-1] % _CUDA_LSE_ROWS))
     seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout
     dq, dk, dvv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, qp, kp, vp, _cuda_bias(bias, q, k), out, lse, seed, offset, 0.0,
+        dout, qp, kp, vp, _cuda_bias(bias, qp, kp), out, lse, seed, offset, 0.0,
         [True, True, True, False], is_causal, scale=scale,
     )  # fmt: skip
 
@@ -181,7 +201,7 @@ KERNELS: dict[str, BlockKernel] = {
     # each block's output is rounded once before the float32 merge.
     "cuda": BlockKernel(
         _cuda_forward, _cuda_backward,
-        (torch.float16, torch.bfloat16, torch.float32), lambda dtype: dtype, False,
+        (torch.float16, torch.bfloat16, torch.float32), lambda dtype: dtype, True,
     ),
 }  # fmt: skip
 

@@ -39,7 +39,7 @@ So the backward peak is ``saved`` plus the largest of
 The forward peak is the same with outs for gradients. Not counted: the flash kernel's per-thread
 tiles (about 1 MiB a thread), what the allocator keeps after frees (small tensors in glibc's
 heap), and the CUDA kernel's own workspace (the CPU kernel's scratch stands in for it, Note [The
-CUDA entry is untested] in ``kernels.py``). ``benchmarks/ring_memory.py`` and
+CUDA entry's tests] in ``kernels.py``). ``benchmarks/ring_memory.py`` and
 ``benchmarks/scale.py`` print the estimate beside the measured peaks.
 """
 

@@ -1,8 +1,8 @@
 """The block kernel table (``ring_rewrite/kernels.py``).
 
 The CPU entry's numerics are tested through the ops (``test_ops.py``) and the ring. The CUDA
-entry cannot run here: only its shapes are checked, on meta tensors (Note [The CUDA entry is
-untested]).
+entry's are tested by ``test_cuda.py`` on a GPU; here, without one, only its shapes are checked,
+on meta tensors (Note [The CUDA entry's tests] in ``kernels.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from conftest import Capture
 
 def test_the_table_names_what_runs_where():
     assert set(kernels.KERNELS) == {"cpu", "cuda"}
-    assert kernels.KERNELS["cpu"].tested and not kernels.KERNELS["cuda"].tested
+    assert kernels.KERNELS["cpu"].tested and kernels.KERNELS["cuda"].tested
     assert kernels.block_kernel(torch.device("cpu")) is kernels.KERNELS["cpu"]
     with pytest.raises(NotImplementedError, match="no kernel for device 'xpu'.*has cpu, cuda"):
         kernels.block_kernel("xpu")
