@@ -1,7 +1,7 @@
 """Single device, forward + backward, float32: the compiled rewrite against eager and dense SDPA.
 
 Inputs ``q, k, v`` of shape ``(1, 8, N, 64)`` float32 (``requires_grad``), causal by default, for
-N from 4k to 64k. Four implementations of attention, each timed forward + backward (the median of
+N from 4k to 256k. Four implementations of attention, each timed forward + backward (the median of
 ``--repeats`` steps after one warm-up step, which compiles ours at every N but the first, where
 the check below did):
 
@@ -26,7 +26,7 @@ Useful GFLOP/s count the query-key pairs each function connects (``4 * D`` FLOPs
 the same process and thread count. Peak memory: the rise of the process's peak RSS over its RSS
 before one forward + backward step (inputs excluded).
 
-    python benchmarks/single_device.py                 # N = 4k .. 64k, about 15 minutes on 2 cores
+    python benchmarks/single_device.py                 # N = 4k .. 256k, about 25 minutes on 2 cores
     python benchmarks/single_device.py --quick         # N = 4k, 8k: a smoke run
     python benchmarks/single_device.py --seq 16384 32768 --no-causal
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,9 @@ BATCH, HEADS, HEAD_DIM = 1, 8, 64
 SEGMENTS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
 EXACT = ("dense", "ours exact")  # the implementations of exact attention; the others are dilated
 TARGET_EAGER, TARGET_EXACT = 3.0, 1.2  # SPEC: >= 3x faster than eager at 32k; exact <= 1.2x SDPA
+# Issue 19, item 1: >= 80 % of torch.mm from 16k to 64k, time per token flat within 10 % from 16k
+# on, peak at most 6 q-sized tensors.
+TARGET_MM, TARGET_FLAT, TARGET_Q_SIZED, FROM_N = 80.0, 1.10, 6.0, 16384
 FWD_BWD = 3.5  # forward + backward FLOPs in units of forward FLOPs (backward = 2.5x forward)
 
 
@@ -142,13 +146,29 @@ def check(impls: dict[str, Callable], n: int, causal: bool) -> dict[str, dict[st
     return errors
 
 
-def compiled_sdpa(causal: bool, **options) -> Callable:
+def compiled_sdpa(causal: bool, **options) -> tuple[Callable, Any]:
+    """SDPA compiled with the rewrite (inductor), and its backend (whose records hold each N's
+    plan)."""
     import ring_rewrite
 
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    return torch.compile(attend, backend=ring_rewrite.backend(compiler="inductor", **options), fullgraph=True)
+    backend = ring_rewrite.backend(compiler="inductor", **options)
+    # NOTE: dynamic=False: one static graph per N, as a model of one sequence length compiles.
+    # Dynamo would otherwise make N a symbol at the second N, and the rewrite would pad each call
+    # to its length bucket (passes/bucket_lengths.py): copies of q, k, v and the gradients that a
+    # fixed-length model never makes (about 5 q-sized tensors more at the peak).
+    return torch.compile(attend, backend=backend, fullgraph=True, dynamic=False), backend
+
+
+def estimated_peak(backend, n: int) -> float | None:
+    """The report's estimate of the site's peak at N = n (``report.attention_memory_bytes``), in
+    q-sized tensors."""
+    from ring_rewrite.report import attention_memory_bytes
+
+    plans = [r.plan for r in backend.records if r.plan is not None and r.plan.n == n]
+    return attention_memory_bytes(plans[-1])["peak"] / (BATCH * HEADS * n * HEAD_DIM * 4) if plans else None
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -156,7 +176,7 @@ def compiled_sdpa(causal: bool, **options) -> Callable:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072, 262144])
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -181,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    ours = compiled_sdpa(causal, segment_lengths=SEGMENTS, dilation_rates=RATES)
-    ours_exact = compiled_sdpa(causal)
+    ours, ours_backend = compiled_sdpa(causal, segment_lengths=SEGMENTS, dilation_rates=RATES)
+    ours_exact, _ = compiled_sdpa(causal)
     eager = lambda q, k, v: eager_dilated(q, k, v, SEGMENTS, RATES, causal)  # noqa: E731
     dense = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     impls = {"ours": (ours, None), "eager": (eager, opts.eager_max), "dense": (dense, opts.dense_max),
@@ -226,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             "ours GFLOP/s": got["ours"]["gflops"],
             "ours % mm": 100 * got["ours"]["gflops"] / peak,
             "dense % mm": 100 * got["dense"]["gflops"] / peak if "dense" in got else None,
+            "ours s / 16k tokens": got["ours"]["fwd_bwd_s"] * 16384 / n,
             "ours MiB": got["ours"].get("peak_bytes", 0) / _common.MIB or None,
+            "ours q-sized": got["ours"].get("peak_bytes", 0) / (BATCH * HEADS * n * HEAD_DIM * 4) or None,
+            "estimate q-sized": estimated_peak(ours_backend, n),
             "eager MiB": got.get("eager", {}).get("peak_bytes", 0) / _common.MIB or None,
             "dense MiB": got.get("dense", {}).get("peak_bytes", 0) / _common.MIB or None,
         })  # fmt: skip
@@ -261,12 +284,20 @@ def _targets(rows: list[dict]) -> dict[str, bool | None]:
     exact = [row["ours exact / dense"] for row in rows if row["ours exact / dense"] is not None]
     dilated = [row["dense / ours"] for n, row in at.items() if n >= 16384 and row["dense / ours"] is not None]
     growing = all(b > a for a, b in zip(dilated, dilated[1:]))
+    mm = [row["ours % mm"] for n, row in at.items() if FROM_N <= n <= 65536]
+    per_token = [row["ours s / 16k tokens"] for n, row in at.items() if n >= FROM_N]
+    q_sized = [row["ours q-sized"] for row in rows if row["ours q-sized"] is not None]
     return {
         f"ours >= {TARGET_EAGER:g}x faster than eager at N = 32k": None if eager32 is None else eager32 >= TARGET_EAGER,
         f"ours exact within {TARGET_EXACT:g}x of SDPA": max(exact) <= TARGET_EXACT if exact else None,
         "dilated faster than dense SDPA from N = 16k on, the lead growing with N": (
             all(x > 1 for x in dilated) and growing if dilated else None
         ),
+        f"ours >= {TARGET_MM:g} % of torch.mm, N = 16k to 64k": min(mm) >= TARGET_MM if mm else None,
+        f"time per token flat within {TARGET_FLAT - 1:.0%} from N = 16k": (
+            max(per_token) <= TARGET_FLAT * min(per_token) if len(per_token) > 1 else None
+        ),
+        f"peak at most {TARGET_Q_SIZED:g} q-sized tensors": max(q_sized) <= TARGET_Q_SIZED if q_sized else None,
     }  # fmt: skip
 
 

@@ -32,6 +32,23 @@ heads while each K/V message stays at least ``RING_CHUNK_BYTES`` (small rings st
 backward a chunk's dK/dV make their last hop home while the next chunk's first step computes, so
 only the last chunk's last hop has nothing to overlap with.
 
+Note [Head chunks of local branches]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A local branch's backward holds its dilated copies (q, dout, out, K/V at ``r > 1``), its
+kernel's gradients with their contiguous copy, and inductor, summing pointwise, keeps every
+branch's gradients until one kernel writes the site's dq, dk, dv: 9.6 ``q``-sized tensors at the
+peak in ``benchmarks/single_device.py``'s LongNet config. So the local branches' backward runs one
+head chunk (of whole kv heads) at a time: every local branch computes its share of the chunk's
+heads, the shares are summed (with the rings' dq of those heads) and written into the site's dq,
+dk, dv in place (``ops.write_heads``; a concatenation would hold every chunk's sums beside its
+result), and the next chunk's blocks wait for those writes (``ops.after`` on their lse: nothing
+else stops a compiler from running every chunk's blocks first and holding their results). At
+once are held the site's gradients, one chunk's gradients of every local branch and one branch's
+copies and scratch for that chunk. ``SitePlan.local_chunks`` takes the fewest chunks whose share
+fits in ``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does a site with dropout (a
+block's keep-mask is drawn over all of its heads). The forward holds each branch's out and lse,
+``1 / r`` of q each, and needs no chunks.
+
 Note [Rows of a ring branch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A local branch runs as one batched call over ``(B*nseg, H, m, D)``. A ring branch's blocks read
@@ -97,6 +114,9 @@ _NEG_INF = float("-inf")
 # A ring branch runs its heads in chunks whose K/V message is at least this large (Note [Head
 # chunks]).
 RING_CHUNK_BYTES = 1 << 20
+# The local branches' backward runs in head chunks whose working set is at most this, or q
+# (Note [Head chunks of local branches]).
+LOCAL_CHUNK_BYTES = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +216,31 @@ class SitePlan:
         fits = [g for g in range(1, layout.kv_heads + 1) if layout.kv_heads % g == 0]
         return max(g for g in fits if g == 1 or message // g >= RING_CHUNK_BYTES)
 
+    def local_chunks(self) -> list[tuple[slice, slice]]:
+        """Query-head and kv-head slices of the head chunks the local branches' backward runs in
+        (Note [Head chunks of local branches]): the fewest, of whole kv heads, whose working set
+        fits in ``max(LOCAL_CHUNK_BYTES, q)``; one chunk with dropout (a block's keep-mask is
+        drawn over all its heads)."""
+        local = [b.layout for b in self.branches if b.is_local]
+        if not local or self.dropout:
+            return [(slice(0, self.hq), slice(0, self.hkv))]
+        item = torch.empty((), dtype=self.compute_dtype).element_size()
+        budget = max(LOCAL_CHUNK_BYTES, self.batch * self.hq * self.n_local * self.d * item)
+        grads, work = 0, 0  # per query head: every branch's gradients; the largest branch's work
+        for layout in local:
+            rows = self.batch * layout.padded // layout.r
+            kv = rows * layout.kv_heads // self.hq
+            grads += rows * self.d + kv * (self.d + self.dv)
+            gathered = layout.r > 1 or layout.padded != layout.n
+            copies = rows * (self.d + 2 * self.dv) + kv * (self.d + self.dv) if gathered else 0
+            work = max(work, copies + max(rows * self.d, kv * max(self.d, self.dv)))
+        g = self.hq // self.hkv
+        sizes = [c for c in range(self.hkv, 0, -1) if self.hkv % c == 0]  # kv heads a chunk
+        kc = next((c for c in sizes if (grads + work) * c * g * item <= budget), sizes[-1])
+        return [
+            (slice(j * kc * g, (j + 1) * kc * g), slice(j * kc, (j + 1) * kc)) for j in range(self.hkv // kc)
+        ]
+
     def needs_bias(self, branch: BranchPlan) -> bool:
         # Padded keys sit after every real query, so causal attention never sees them.
         padded = self.pad or branch.layout.padded != branch.layout.n
@@ -246,7 +291,7 @@ def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torc
     layout = branch.layout
     if mask is None:
         mask = q.new_zeros(1, 1, 1)
-    keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(plan.batch, plan.hq, layout.n, 1)
+    keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(layout.batch, layout.hq, layout.n, 1)
     if not branch.is_local:
         return _ring_rows(plan, layout, keys, fill=_NEG_INF)[0].transpose(-1, -2)
     return layout.dilate_q(keys, fill=_NEG_INF).transpose(-1, -2)
@@ -393,7 +438,7 @@ def _doc_rows(plan, branch, docs, step, p0, p1, heads) -> torch.Tensor:
     if plan.world > 1:
         rank = plan.rank if step is None else branch.ring[(branch.position - step) % len(branch.ring)]
         docs = take_shard(docs, 2, plan.n, world=plan.world, rank=rank, layout=plan.layout)
-    ids = layout.dilate_q(docs.expand(plan.batch, plan.hq, -1, 1), fill=-1)[:, heads]
+    ids = layout.dilate_q(docs.expand(layout.batch, layout.hq, -1, 1), fill=-1)[:, heads]
     if branch.is_local:
         return ids.squeeze(-1)
     return _rows(_to_rows(ids, layout), layout, p0, p1).squeeze(-1)
@@ -682,6 +727,15 @@ def _or_zeros(plan: SitePlan, part, layout, heads: int, channels: int, like: tor
     return like.new_zeros(shape, dtype=plan.stat_dtype)
 
 
+def _after(x: torch.Tensor, *totals) -> torch.Tensor:
+    """``x``, once the gradient sums so far are computed (Note [Head chunks of local branches])."""
+    deps = [t for t in totals if t is not None]
+    if not deps:
+        return x
+    with role("merge"):
+        return torch.ops.ring_rewrite.after(x, deps)
+
+
 def _add_kv(plan: SitePlan, i: int, layout, dkd, dvd, dk, dv):
     """Branch ``i``'s dilated dK/dV added into the totals ``dk``, ``dv`` (None: the first)."""
     with role("undilate", branch=i):
@@ -689,6 +743,70 @@ def _add_kv(plan: SitePlan, i: int, layout, dkd, dvd, dk, dv):
         dk = layout.accumulate_kv(dkd if dk is None else dkd.to(plan.stat_dtype), plan.d, into=dk)
         dv = layout.accumulate_kv(dvd if dv is None else dvd.to(plan.stat_dtype), plan.dv, into=dv)
     return dk, dv
+
+
+def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, dq):
+    """dq, dk, dv summed over the local branches (and ``dq`` of the rings), one head chunk after
+    another (Note [Head chunks of local branches]), and the buffers whose compute the rings'
+    last dK/dV hops wait for."""
+    chunks = plan.local_chunks()
+    if len(chunks) == 1:
+        return _local_chunk(plan, *chunks[0], dol, ql, kl, vl, out, lse, ml, seed, docs, dq, ())
+    # A chunk's sums are final in the input dtype (rounded once), but for dK/dV to which the
+    # rings' last hops still add (in stat_dtype).
+    kv_dtype = plan.stat_dtype if any(not b.is_local for b in plan.branches) else plan.dtype
+    with role("merge"):
+        totals = [
+            ql.new_empty((plan.batch, plan.hq, plan.n_local, plan.d)),
+            kl.new_empty((plan.batch, plan.hkv, plan.n_local, plan.d), dtype=kv_dtype),
+            vl.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
+        ]
+    for c, (qh, kh) in enumerate(chunks):
+        rings = None if dq is None else dq[:, qh]
+        *sums, _ = _local_chunk(
+            plan, qh, kh, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, totals if c else ()
+        )  # fmt: skip
+        with role("merge"):
+            for total, x, heads in zip(totals, sums, (qh, kh, kh)):
+                torch.ops.ring_rewrite.write_heads(total, x.to(total.dtype), heads.start)
+    return (*totals, totals)
+
+
+def _local_chunk(plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse, ml, seed, docs, dq, before):
+    """dq, dk, dv of query heads ``qh`` (kv heads ``kh``) summed over the local branches, plus
+    ``dq`` (the rings' share of them), and the blocks' gradients; the blocks run once
+    ``before`` (the previous chunk's sums) are computed."""
+    whole = qh == slice(0, plan.hq)
+
+    def heads(x, h):
+        return x if whole else x[:, h]
+
+    dk = dv = None
+    computed = []
+    for i, branch in enumerate(plan.branches):
+        if not branch.is_local:
+            continue
+        layout = branch.layout if whole else branch.layout.heads(qh.start, qh.stop)
+        chunk = branch if whole else dataclasses.replace(branch, layout=layout)
+        q_heads = heads(ql, qh)
+        mask = None if ml is None else heads(ml.expand(-1, plan.hq, -1), qh)  # (B|1, Hq|1, N)
+        with role("dilate", branch=i):
+            qd, dod, od = _dilate(plan, layout, q_heads, heads(dol, qh), heads(out, qh))
+            kd, vd = _dilate(plan, layout, heads(kl, kh), heads(vl, kh), kv=True)
+            lsed = layout.dilate_q(heads(lse, qh).unsqueeze(-1), fill=float("inf")).squeeze(-1)
+            bias = _branch_bias(plan, chunk, q_heads, mask)
+        lsed = _after(lsed, *before)
+        ((blk,),) = branch.steps
+        with role("attention_backward", branch=i):
+            dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
+                dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
+                **_band_args(plan, chunk, blk, None, qd, docs),
+            )
+        computed += [dqd, dkd, dvd]
+        with role("undilate", branch=i):
+            dq = _acc(plan, dq, layout.undilate_q(dqd))
+        dk, dv = _add_kv(plan, i, layout, dkd, dvd, dk, dv)
+    return dq, dk, dv, computed
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None):
@@ -706,43 +824,29 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         dp = None if docs is None else _padded(plan, docs)[0]
     dq = dk = dv = None
     landing = {}  # ring branches whose last dK/dV are on their way home
-    computed = []  # what the local branches computed, after which those land
     # Ring branches first: their last hops land while the local branches compute.
-    order = sorted(range(len(plan.branches)), key=lambda i: plan.branches[i].is_local)
-    for i in order:
-        branch = plan.branches[i]
+    for i, branch in enumerate(plan.branches):
+        if branch.is_local:
+            continue
         layout = branch.layout
         with role("dilate", branch=i):
-            if branch.is_local:
-                qd, dod, od = _dilate(plan, layout, ql, dol, out)
-                kd, vd = _dilate(plan, layout, kl, vl, kv=True)
-                lsed = layout.dilate_q(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
-            else:
-                qd, dod, od = _ring_rows(plan, layout, ql, dol, out)
-                kd, vd = _ring_rows(plan, layout, kl, vl, kv=True)
-                (lsed,) = _ring_rows(plan, layout, lse.unsqueeze(-1), fill=float("inf"), upcast=False)
-                lsed = lsed.squeeze(-1)
+            qd, dod, od = _ring_rows(plan, layout, ql, dol, out)
+            kd, vd = _ring_rows(plan, layout, kl, vl, kv=True)
+            (lsed,) = _ring_rows(plan, layout, lse.unsqueeze(-1), fill=float("inf"), upcast=False)
+            lsed = lsed.squeeze(-1)
             bias = _branch_bias(plan, branch, ql, ml)
-        if branch.is_local:
-            ((blk,),) = branch.steps
-            with role("attention_backward", branch=i):
-                dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
-                    dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
-                    **_band_args(plan, branch, blk, None, qd, dp),
-                )
-            computed += [dqd, dkd, dvd]
-        else:
-            ring = _ring(rotater, i, branch)
-            dqd, landed, last = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp)
-            landing[i] = (ring, landed, last)
-            dqd, dkd, dvd = _from_rows(dqd, layout), None, None
+        ring = _ring(rotater, i, branch)
+        dqd, landed, last = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp)
+        landing[i] = (ring, landed, last)
         with role("undilate", branch=i):
-            dq = _acc(plan, dq, layout.undilate_q(dqd))
-        if dkd is not None:
-            dk, dv = _add_kv(plan, i, layout, dkd, dvd, dk, dv)
+            dq = _acc(plan, dq, layout.undilate_q(_from_rows(dqd, layout)))
+    computed = []  # what the local branches computed, after which the rings' last hops land
+    if any(branch.is_local for branch in plan.branches):
+        dq, dk, dv, computed = _local_backward(plan, dol, ql, kl, vl, out, lse, ml, seed, dp, dq)
     for i, (ring, landed, last) in landing.items():
         branch = plan.branches[i]
-        dkd, dvd = (_from_rows(g, branch.layout) for g in _ring_landed(ring, i, branch, landed, last, computed))
+        landed = _ring_landed(ring, i, branch, landed, last, computed)
+        dkd, dvd = (_from_rows(g, branch.layout) for g in landed)
         dk, dv = _add_kv(plan, i, branch.layout, dkd, dvd, dk, dv)
     with role("undilate"):
         grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]

@@ -51,6 +51,17 @@ class BranchLayout:
     batch: int
     hq: int
     hkv: int
+    head0: int = 0
+    """The site's number of the first query head: a layout of a slice of the heads (``heads``)
+    keeps each head's lattice offset ``j mod r`` of its number ``j`` in the site."""
+
+    def heads(self, start: int, stop: int) -> "BranchLayout":
+        """The layout of query heads ``[start, stop)`` (and the kv heads they read) of this one:
+        whole kv heads, so ``start`` and ``stop`` are multiples of ``g``."""
+        assert start % self.g == 0 and stop % self.g == 0, (start, stop, self.g)
+        return dataclasses.replace(
+            self, hq=stop - start, hkv=(stop - start) // self.g, head0=self.head0 + start
+        )
 
     @property
     def seg(self) -> int:
@@ -97,7 +108,7 @@ class BranchLayout:
     def _q_pairs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         a = torch.arange(self.hq, device=device)
         if not self.shared_kv:
-            return a, a % self.r
+            return a, (a + self.head0) % self.r
         per = self.g // self.r  # query heads per (kv head, offset)
         head, rest = a // self.g, a % self.g
         off, c = rest // per, rest % per
@@ -117,7 +128,7 @@ class BranchLayout:
             a = torch.arange(self.hkv * self.r, device=device)
             return a // self.r, a % self.r
         a = torch.arange(self.hq, device=device)
-        return (a if self.g == 1 else a // self.g), a % self.r
+        return (a if self.g == 1 else a // self.g), (a + self.head0) % self.r
 
     # ---- gathers --------------------------------------------------------------------------
 
@@ -152,7 +163,7 @@ class BranchLayout:
             y = y[:, :, self._q_inverse(y.device)]
         heads = torch.arange(self.hq, device=y.device)
         offs = torch.arange(self.r, device=y.device)
-        on_lattice = (heads.view(-1, 1) % self.r == offs).view(1, 1, self.hq, self.r, 1, 1)
+        on_lattice = ((heads.view(-1, 1) + self.head0) % self.r == offs).view(1, 1, self.hq, self.r, 1, 1)
         y6 = y.unsqueeze(3).expand(-1, -1, -1, self.r, -1, -1)
         return self._merge_split(torch.where(on_lattice, y6, fill), self.hq)
 

@@ -16,6 +16,9 @@ attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the s
 block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
+``after(x, deps)`` and ``write_heads(total, x, start)`` order the local branches' gradient sums
+(Note [Head chunks of local branches] in ``attention.py``).
+
 With ``band = [lo, hi]`` (``BAND_OPEN`` for an open end) and the rows' positions ``qpos (L,)``,
 ``kpos (S,)``, both ops let key ``t`` reach query ``p`` only if ``lo <= kpos[t] - qpos[p] <= hi``
 (and ``t <= p`` when causal): the mask is built per chunk of query rows, at most ``BAND_CHUNK``
@@ -30,7 +33,7 @@ import torch
 
 from .kernels import block_kernel, dropout_backward, dropout_forward
 
-__all__ = ["block_attention", "block_attention_backward", "documents", "stat_dtype"]
+__all__ = ["after", "block_attention", "block_attention_backward", "documents", "stat_dtype", "write_heads"]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -199,6 +202,28 @@ def _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p,
 def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None,
       kpos=None, qdoc=None, kdoc=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("ring_rewrite::after", mutates_args=())
+def after(x: torch.Tensor, deps: list[torch.Tensor]) -> torch.Tensor:
+    """A copy of ``x`` that exists only once ``deps`` do: whatever reads it runs after the
+    compute of ``deps``, where nothing else would order a compiler's schedule (Note [Head chunks
+    of local branches] in ``attention.py``). ``x`` should be small: an op's output may not alias
+    its input, so it is copied."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@after.register_fake
+def _(x, deps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("ring_rewrite::write_heads", mutates_args=("total",))
+def write_heads(total: torch.Tensor, x: torch.Tensor, start: int) -> None:
+    """``x`` copied into heads ``[start, start + x.shape[1])`` (dim 1) of ``total``, in place:
+    a chunk's result lands in the site's result without a concatenation that would hold every
+    chunk's (Note [Head chunks of local branches] in ``attention.py``)."""
+    total.narrow(1, start, x.shape[1]).copy_(x)
 
 
 @torch.library.custom_op("ring_rewrite::documents", mutates_args=())

@@ -10,7 +10,10 @@ and backward bodies. Three facts of the generated code set it:
   every branch's results wait for it: forward, each branch's dilated out and lse until the merge
   writes ``out``; backward, each branch's dilated dq, dk, dv until one kernel writes their sum
   (``accumulate_kv``'s index_add too) into the site's dq, dk, dv. Within a ring the same holds
-  for a head chunk: the out (or dq) of every block of every step waits for its last step.
+  for a head chunk: the out (or dq) of every block of every step waits for its last step. Where
+  the local branches' backward runs in ``C`` head chunks (Note [Head chunks of local branches]
+  in ``attention.py``), the site's dq, dk, dv exist from the first chunk on, and only one
+  chunk's gradients of every local branch wait for its sums.
 * Ring branches run first and in order (the token chains their transfers). Local branches need
   no token and come after them, in an order inductor picks for a low peak (``memory.py``'s
   ``reorder_for_peak_memory``), counted here as the order that holds least: the largest working
@@ -33,6 +36,9 @@ So the backward peak is ``saved`` plus the largest of
   (the same, K/V in the compute dtype) and its kernel's scratch;
 * the sum: every branch's gradients and the site's dq, dk, dv (none new when a lone rate-1
   branch's gradients are already the site's);
+* with local head chunks, in place of the last two: the rings' gradients, the site's dq, dk, dv
+  (dk, dv in ``stat_dtype`` where rings add to them last), and ``1 / C`` of every local branch's
+  gradients and of the largest local branch's work;
 * in replicated mode, the gathers: the whole output (which the caller holds through the
   backward), the whole gradients, and the received and stacked shards of the one being gathered.
 
@@ -286,9 +292,9 @@ def _local_work(plan: SitePlan, branch, backward: bool) -> int:
     return _copies(plan, branch, backward) + scratch
 
 
-def _branches_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
-    """The most held while a branch runs, with the ``results`` of the branches before it, and the
-    results of every branch (Note [Memory of a site])."""
+def _rings_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
+    """The most held while a ring branch runs, with the ``results`` of the rings before it, and
+    the results of every ring (Note [Memory of a site])."""
     held, peak = 0, 0
     for branch in (b for b in plan.branches if not b.is_local):
         chunks = plan.head_chunks(branch)
@@ -296,6 +302,13 @@ def _branches_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
         work = _copies(plan, branch, backward) + _ring_chunk(plan, branch, backward) // chunks
         peak = max(peak, held + done + work)
         held += results(plan, branch)
+    return peak, held
+
+
+def _branches_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
+    """The most held while a branch runs, with the ``results`` of the branches before it, and the
+    results of every branch (Note [Memory of a site])."""
+    peak, held = _rings_peak(plan, results, backward)
     # Local branches in the order that holds least: the largest working set first.
     local = [(_local_work(plan, b, backward), results(plan, b)) for b in plan.branches if b.is_local]
     for work, result in sorted(local, reverse=True):
@@ -318,8 +331,22 @@ def _backward_peak(plan: SitePlan) -> int:
     out, lse = _site_out(plan)
     rows, kv_rows = plan.batch * plan.hq * plan.n_local, plan.batch * plan.hkv * plan.n_local
     grads = [rows * plan.d * item, kv_rows * plan.d * item, kv_rows * plan.dv * item]
-    peak, held = _branches_peak(plan, _branch_grads, backward=True)
-    peak = max(peak, held + (0 if _in_place(plan) else sum(grads)))
+    chunks = len(plan.local_chunks())
+    if chunks == 1:
+        peak, held = _branches_peak(plan, _branch_grads, backward=True)
+        peak = max(peak, held + (0 if _in_place(plan) else sum(grads)))
+    else:
+        # Local branches in head chunks: the site's gradients from the first chunk on (dK/dV in
+        # stat_dtype while the rings' last hops are to come), one chunk's gradients of every local
+        # branch and one branch's work on that chunk; at the end dK/dV cast, if they were wider.
+        peak, held = _rings_peak(plan, _branch_grads, backward=True)
+        local = [(_local_work(plan, b, True), _branch_grads(plan, b)) for b in plan.branches if b.is_local]
+        rings = any(not b.is_local for b in plan.branches)
+        dkv = grads[1] + grads[2]
+        sums = grads[0] + (dkv * _itemsize(plan.stat_dtype) // item if rings else dkv)
+        work = sum(result for _, result in local) + max(w for w, _ in local)
+        peak = max(peak, held + sums + work // chunks)
+        peak = max(peak, held + sums + (dkv if rings and plan.stat_dtype != plan.dtype else 0))
     if plan.gathers:  # the whole out (the caller's) and gradients; received and stacked shards
         peak = max(peak, plan.world * (out + sum(grads)) + 2 * plan.world * max(grads))
     return out + lse + peak

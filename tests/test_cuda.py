@@ -133,3 +133,20 @@ def test_float32_matches_reference(compiler, config, shape, is_causal, request):
     errors = _errors(got, _reference(config, q, k, v, dout, is_causal=is_causal, scale=scale))
     _report(request.node.name, errors)
     assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("shape", ["mha_n100", "gqa8x2_n37"])
+def test_local_branches_in_head_chunks(compiler, shape, monkeypatch, request):
+    """The local branches' backward one kv head at a time (Note [Head chunks of local branches]):
+    its ordering and in-place writes on the GPU."""
+    from ring_rewrite import attention
+
+    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+    batch, hq, hkv, n, d, dv, scale = SHAPES[shape]
+    q, k, v = _inputs(batch, hq, hkv, n, d, dv)
+    dout = torch.randn(batch, hq, n, dv)
+    got = _run(CONFIGS["longnet"], compiler, q, k, v, dout, is_causal=True, enable_gqa=hq != hkv)
+    errors = _errors(got, _reference(CONFIGS["longnet"], q, k, v, dout, is_causal=True))
+    _report(request.node.name, errors)
+    assert max(errors.values()) < TOL, errors

@@ -124,6 +124,51 @@ def test_matches_reference(config, shape, is_causal):
             assert rel_err(g, s) < 1e-6
 
 
+# ---- local branches in head chunks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize(
+    "config, shape, is_causal, mask",
+    [
+        (CONFIGS["longnet"], SHAPES["mha_n100"], False, "bool"),
+        (CONFIGS["rate_first"], SHAPES["gqa8x2_n37"], False, "float"),  # g = 4: kv shared at r = 2
+        (CONFIGS["longnet"], SHAPES["gqa6x2_n50"], True, None),  # g = 3: one kv head per query head
+        (CONFIGS["exact"], SHAPES["d!=dv_scale_n64"], False, None),
+    ],
+    ids=["longnet-mha-bool", "rate_first-gqa4-float", "longnet-gqa3", "exact-d!=dv"],
+)
+def test_local_branches_in_head_chunks(config, shape, is_causal, mask, compiler, monkeypatch):
+    """The local branches' backward runs one chunk of whole kv heads at a time, each chunk's sums
+    written into the site's gradients before the next computes (Note [Head chunks of local
+    branches]): here as many chunks as kv heads."""
+    from ring_rewrite import attention
+
+    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+    batch, hq, hkv, n, d, dv, scale = shape
+    q, k, v = _inputs(batch, hq, hkv, n, d, dv)
+    dout = torch.randn(batch, hq, n, dv)
+    m = None if mask is None else _mask(mask, batch, hq, n)
+    fn = _compile(config, compiler, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv)
+    got = _forward_backward(fn, q, k, v, dout, m)
+    _assert_rewritten()
+    _assert_close(got, _reference(config, q, k, v, dout, mask=m, is_causal=is_causal, scale=scale))
+
+
+def test_local_chunks_are_whole_kv_heads_and_one_with_dropout(monkeypatch):
+    from ring_rewrite import attention
+
+    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+    kwargs = dict(batch=1, hq=6, hkv=2, n=64, d=8, dv=8, dtype=torch.float32, scale=0.3,
+                  is_causal=True, has_mask=False, branches=((16, 1), (64, 2)))  # fmt: skip
+    plan = attention.SitePlan.build(**kwargs)
+    assert plan.local_chunks() == [(slice(0, 3), slice(0, 1)), (slice(3, 6), slice(1, 2))]
+    whole = [(slice(0, 6), slice(0, 2))]
+    assert attention.SitePlan.build(**kwargs, dropout=0.1).local_chunks() == whole
+    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1 << 30)
+    assert plan.local_chunks() == whole
+
+
 # ---- key-padding masks ------------------------------------------------------------------------
 
 

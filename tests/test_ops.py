@@ -1,4 +1,5 @@
-"""The ``ring_rewrite`` custom ops: ``block_attention`` and ``block_attention_backward``.
+"""The ``ring_rewrite`` custom ops: ``block_attention`` and ``block_attention_backward``, and the
+two that order a site's gradient sums (``after``, ``write_heads``).
 
 Checked against a dense float64 computation of one block of attention: softmax and log-sum-exp
 of ``scale * q k^T + bias`` with top-left causal masking and GQA by head groups; a row whose every
@@ -101,6 +102,22 @@ def test_opcheck_block_attention_backward(bias_kind, is_causal):
     torch.library.opcheck(
         block_attention_backward, (dout, q, k, v, out, lse, bias, 0.3, is_causal)
     )
+
+
+def test_after_is_a_contiguous_copy_once_its_deps_exist():
+    x = torch.randn(3, 4).t()  # not contiguous: the copy is, as its fake says
+    got = torch.ops.ring_rewrite.after(x, [torch.randn(2)])
+    assert torch.equal(got, x) and got.is_contiguous() and got.data_ptr() != x.data_ptr()
+    torch.library.opcheck(torch.ops.ring_rewrite.after, (x, [torch.randn(2)]))
+
+
+def test_write_heads_writes_its_heads_in_place_and_nothing_else():
+    total = torch.zeros(2, 6, 5, 3)
+    x = torch.randn(2, 2, 5, 3)
+    torch.ops.ring_rewrite.write_heads(total, x, 3)
+    assert torch.equal(total[:, 3:5], x)
+    assert not total[:, :3].any() and not total[:, 5:].any()
+    torch.library.opcheck(torch.ops.ring_rewrite.write_heads, (torch.zeros(2, 6, 5, 3), x, 3))
 
 
 # ---- forward -----------------------------------------------------------------------------------

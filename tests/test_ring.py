@@ -83,6 +83,7 @@ def _cases(rank, world, cases, compiler, chunk_bytes=None):
         from ring_rewrite import attention
 
         attention.RING_CHUNK_BYTES = chunk_bytes  # this rank's process only
+        attention.LOCAL_CHUNK_BYTES = chunk_bytes
     for case in cases:
         plan = _case(rank, world, case, compiler)
         if chunk_bytes is not None:
@@ -90,6 +91,8 @@ def _cases(rank, world, cases, compiler, chunk_bytes=None):
             assert rings and all(plan.head_chunks(b) > 1 for b in rings), case
             if chunk_bytes == 1:
                 assert all(plan.head_chunks(b) == b.layout.kv_heads for b in rings), case
+                # and the local branches' backward one kv head at a time, after the rings'
+                assert len(plan.local_chunks()) == plan.hkv > 1, case
 
 
 # (segment_lengths, dilation_rates, causal, sharding, layout, Hq, Hkv, N)
@@ -138,7 +141,9 @@ def test_ring_matches_reference(world, cases, compiler, monkeypatch):
 )
 def test_ring_in_head_chunks_matches_reference(world, cases, chunk_bytes, monkeypatch):
     # Ring branches in head chunks (Note [Head chunks]): at P = 2 as many as the dilated kv heads
-    # allow; at P = 4 two per branch (4 KiB and 8 KiB messages), which compiles in half the time.
+    # allow, and the local branches' backward in one chunk per kv head (Note [Head chunks of
+    # local branches]); at P = 4 two per ring branch (4 KiB and 8 KiB messages), which compiles
+    # in half the time.
     monkeypatch.setenv(CHECK, "1")
     run_ranks(world, _cases, cases, "inductor", chunk_bytes)
 
