@@ -344,8 +344,14 @@ def _backward_peak(plan: SitePlan) -> int:
         rings = any(not b.is_local for b in plan.branches)
         dkv = grads[1] + grads[2]
         sums = grads[0] + (dkv * _itemsize(plan.stat_dtype) // item if rings else dkv)
-        work = sum(result for _, result in local) + max(w for w, _ in local)
-        peak = max(peak, held + sums + work // chunks)
+        # Within a chunk, the branches in the order that holds least, then the chunk's sums, one
+        # tensor at a time.
+        chunk, done = 0, 0
+        for work, result in sorted(local, reverse=True):
+            chunk = max(chunk, done + result + work)
+            done += result
+        chunk = max(chunk, done + max(grads) * _itemsize(plan.stat_dtype) // item)
+        peak = max(peak, held + sums + chunk // chunks)
         peak = max(peak, held + sums + (dkv if rings and plan.stat_dtype != plan.dtype else 0))
     if plan.gathers:  # the whole out (the caller's) and gradients; received and stacked shards
         peak = max(peak, plan.world * (out + sum(grads)) + 2 * plan.world * max(grads))
