@@ -37,8 +37,8 @@ So the backward peak is ``saved`` plus the largest of
 * the sum: every branch's gradients and the site's dq, dk, dv (none new when a lone rate-1
   branch's gradients are already the site's);
 * with local head chunks, in place of the last two: the rings' gradients, the site's dq, dk, dv
-  (dk, dv in ``stat_dtype`` where rings add to them last), and ``1 / C`` of every local branch's
-  gradients and of the largest local branch's work;
+  (dk, dv in ``stat_dtype`` where rings add to them last), and ``1 / C`` of what the local
+  branches hold running in order and then summing, one sum at a time;
 * in replicated mode, the gathers: the whole output (which the caller holds through the
   backward), the whole gradients, and the received and stacked shards of the one being gathered.
 
@@ -309,7 +309,14 @@ def _branches_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
     """The most held while a branch runs, with the ``results`` of the branches before it, and the
     results of every branch (Note [Memory of a site])."""
     peak, held = _rings_peak(plan, results, backward)
-    # Local branches in the order that holds least: the largest working set first.
+    local, done = _locals_peak(plan, results, backward)
+    return max(peak, held + local), held + done
+
+
+def _locals_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
+    """The most the local branches hold while one runs, in the order that holds least (the
+    largest working set first), and the results of them all."""
+    peak, held = 0, 0
     local = [(_local_work(plan, b, backward), results(plan, b)) for b in plan.branches if b.is_local]
     for work, result in sorted(local, reverse=True):
         peak = max(peak, held + result + work)
@@ -340,16 +347,11 @@ def _backward_peak(plan: SitePlan) -> int:
         # stat_dtype while the rings' last hops are to come), one chunk's gradients of every local
         # branch and one branch's work on that chunk; at the end dK/dV cast, if they were wider.
         peak, held = _rings_peak(plan, _branch_grads, backward=True)
-        local = [(_local_work(plan, b, True), _branch_grads(plan, b)) for b in plan.branches if b.is_local]
         rings = any(not b.is_local for b in plan.branches)
         dkv = grads[1] + grads[2]
         sums = grads[0] + (dkv * _itemsize(plan.stat_dtype) // item if rings else dkv)
-        # Within a chunk, the branches in the order that holds least, then the chunk's sums, one
-        # tensor at a time.
-        chunk, done = 0, 0
-        for work, result in sorted(local, reverse=True):
-            chunk = max(chunk, done + result + work)
-            done += result
+        # Within a chunk, the branches as a whole site's, then the chunk's sums, one at a time.
+        chunk, done = _locals_peak(plan, _branch_grads, backward=True)
         chunk = max(chunk, done + max(grads) * _itemsize(plan.stat_dtype) // item)
         peak = max(peak, held + sums + chunk // chunks)
         peak = max(peak, held + sums + (dkv if rings and plan.stat_dtype != plan.dtype else 0))
