@@ -61,6 +61,19 @@ is recomputed for each consumer, one kernel per block, head chunk and ring step 
 ranks, 30 kernels for the site, now 18; the C++ build of those kernels was most of the compile).
 The gathered copies are ``1/r`` of the inputs they come from.
 
+Note [Gradient sums of a ring step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The blocks of one backward ring step read disjoint key parts of the K/V held (the table of Note
+[Ring schedule] in ``schedule.py``), so the step's share of dK/dV is each block's dk, dv put at
+its rows; added to the accumulators that arrived, it leaves for the next rank. Those sums, and
+the branch's dq over the steps, are ``ops.add_rows`` calls: each adds a block's gradient into a
+copy of the running sum at the block's rows (zeros where no sum exists yet). As pointwise ops
+they were a concatenation with zeros, an add and a copy per step, each with the sizes of its
+branch baked in: a C++ kernel per ring branch and step kind, about 5 per ring branch, and most
+of the compile (``benchmarks/compile_cost.py --site``: 27 kernels at 16k tokens on 4 ranks, 15
+after). What the graph shows is the same: a block's gradients, then their sum (role
+``merge``), then the transfer. The forward's merges stay pointwise (SPEC §4).
+
 Note [Overlap across branches]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Within a ring, each step's transfer overlaps that step's blocks. A branch of a high rate has
@@ -622,14 +635,14 @@ def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed,
     return _cat_heads(dqs), dkvs, landing
 
 
-def _ring_landed(ring, i, branch, landed, landing, after) -> list[torch.Tensor]:
+def _ring_landed(plan, ring, i, branch, landed, landing, after) -> list[torch.Tensor]:
     """dk and dv of a ring branch once its last chunk's accumulators are home, waited for after
     ``after``."""
-    landed = [*landed, _land(ring, i, branch, landing, after)]
+    landed = [*landed, _land(plan, ring, i, branch, landing, after)]
     return [_cat_heads(list(g)) for g in zip(*landed)]
 
 
-def _land(ring, i, branch, landing, after):
+def _land(plan, ring, i, branch, landing, after):
     """A chunk's dk and dv at their owner: what its own K/V gave at step 0, which stayed home,
     plus the accumulator of every other rank's share, arriving on its last hop. ``landing`` is
     ``(the accumulator's last hop in flight, the step-0 share)``."""
@@ -637,7 +650,8 @@ def _land(ring, i, branch, landing, after):
     with role("p2p", branch=i, step=len(branch.ring) - 1):
         got = ring.wait(flight, after)
     with role("merge", branch=i):
-        return [a + b for a, b in zip(home, got)]
+        rows = branch.layout.nseg * branch.layout.m
+        return [_add_rows(plan, a, b, 0, rows) for a, b in zip(got, home)]
 
 
 def _ring_backward_chunk(
@@ -652,28 +666,28 @@ def _ring_backward_chunk(
     home), not ``G`` (ring-flash-attention and torch's ring start it at the owner).
     """
     layout = branch.layout
-    hq, hkv = heads
+    hkv = heads[1]
+    rows = layout.nseg * layout.m
     kv = [kd, vd] if bias is None else [kd, vd, bias]
     home = None  # dK/dV of this rank's own K/V from step 0: they never leave
     dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
     dkv_flight = None  # the accumulators on their way to the next rank
     landed = None
-    dq_parts: list = [None] * layout.nseg
+    dq = None
     last = len(branch.ring) - 1
     for step, blocks in enumerate(branch.steps):
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv_flight = ring.start(kv, KV_BACK, step, c)
-        dk_parts: list = [None] * layout.nseg
-        dv_parts: list = [None] * layout.nseg
         computed = []
+        shares = []  # (first key row, dk, dv) of each block
         held, held_bias = _held(kv)
         for j, blk in enumerate(blocks):
             band = _band_args(plan, branch, blk, step, qd, docs, qh)
             if band is None:
                 continue
             with role("attention_backward", branch=i, step=step):
-                dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
+                dqb, dkb, dvb = torch.ops.ring_rewrite.block_attention_backward(
                     *(_rows(x, layout, blk.q0, blk.q1) for x in (dod, qd)),
                     *_kv_rows(plan, layout, held, blk),
                     *(_rows(x, layout, blk.q0, blk.q1) for x in (od, lsed)),
@@ -683,48 +697,42 @@ def _ring_backward_chunk(
                     *_drop(plan, seed, i, c, step, j),
                     **band,
                 )
-            computed += [dq, dk, dv]
+            computed += [dqb, dkb, dvb]
+            shares.append((blk.k0 * layout.m, dkb, dvb))
             with role("merge", branch=i, step=step):
-                for parts, x, (p0, p1) in (
-                    (dq_parts, dq, (blk.q0, blk.q1)),
-                    (dk_parts, dk, (blk.k0, blk.k1)),
-                    (dv_parts, dv, (blk.k0, blk.k1)),
-                ):
-                    for part, piece in zip(range(p0, p1), _split_rows(x, layout, p0, p1)):
-                        parts[part] = _acc(plan, parts[part], piece.to(plan.stat_dtype))
+                dq = _add_rows(plan, dq, dqb, blk.q0 * layout.m, rows)
         if landing is not None:
-            landed = _land(ring, i, branch, landing, computed)
+            landed = _land(plan, ring, i, branch, landing, computed)
             landing = None
         if step > 1:
             # The accumulators sent last step (they moved during this step's compute) belong to
             # the K/V held now.
             with role("p2p", branch=i, step=step):
                 dkv = ring.wait(dkv_flight, computed)
-        if blocks or step <= 1:
-            with role("merge", branch=i, step=step):
-                here = [
-                    torch.cat([_or_zeros(plan, p, layout, hkv, channels, kd) for p in parts], 2)
-                    for parts, channels in ((dk_parts, plan.d), (dv_parts, plan.dv))
-                ]
-                if step == 0:
-                    home = here
-                else:
-                    dkv = here if dkv is None else [a + b for a, b in zip(dkv, here)]
+        with role("merge", branch=i, step=step):
+            here = None if step == 0 else dkv
+            if here is None and not shares and step <= 1:
+                # Step 0 keeps a share of its own, step 1 starts the accumulators: touched or not.
+                here = [kd.new_zeros((layout.batch, hkv, rows, ch), dtype=plan.stat_dtype) for ch in (plan.d, plan.dv)]
+            for start, dkb, dvb in shares:
+                here = [_add_rows(plan, a, x, start, rows) for a, x in zip(here or (None, None), (dkb, dvb))]
+            if step == 0:
+                home = here
+            else:
+                dkv = here
         if step > 0:
             with role("p2p", branch=i, step=step):
                 dkv_flight = ring.start(dkv, DKV, step, c)
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv = ring.wait(kv_flight, computed)
-    return torch.cat(dq_parts, 2), landed, (dkv_flight, home)
+    return dq, landed, (dkv_flight, home)
 
 
-def _or_zeros(plan: SitePlan, part, layout, heads: int, channels: int, like: torch.Tensor):
-    """A part's gradient (``stat_dtype``), or zeros where no block of this step touched it."""
-    if part is not None:
-        return part
-    shape = (layout.batch, heads, layout.m, channels)
-    return like.new_zeros(shape, dtype=plan.stat_dtype)
+def _add_rows(plan: SitePlan, total, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """``total`` (zeros where None) plus ``x`` at rows ``[start, ...)``, in ``stat_dtype`` (Note
+    [Gradient sums of a ring step])."""
+    return torch.ops.ring_rewrite.add_rows(total, x, start, rows, plan.stat_dtype)
 
 
 def _after(x: torch.Tensor, *totals) -> torch.Tensor:
@@ -845,7 +853,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         dq, dk, dv, computed = _local_backward(plan, dol, ql, kl, vl, out, lse, ml, seed, dp, dq)
     for i, (ring, landed, last) in landing.items():
         branch = plan.branches[i]
-        landed = _ring_landed(ring, i, branch, landed, last, computed)
+        landed = _ring_landed(plan, ring, i, branch, landed, last, computed)
         dkd, dvd = (_from_rows(g, branch.layout) for g in landed)
         dk, dv = _add_kv(plan, i, branch.layout, dkd, dvd, dk, dv)
     with role("undilate"):

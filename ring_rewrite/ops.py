@@ -17,7 +17,8 @@ block the row attends to), it returns this block's exact share of the gradient (
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
 ``after(x, deps)`` and ``write_heads(total, x, start)`` order the local branches' gradient sums
-(Note [Head chunks of local branches] in ``attention.py``).
+(Note [Head chunks of local branches] in ``attention.py``); ``add_rows(total, x, start, rows,
+dtype)`` sums a ring step's gradients (Note [Gradient sums of a ring step] there).
 
 With ``band = [lo, hi]`` (``BAND_OPEN`` for an open end) and the rows' positions ``qpos (L,)``,
 ``kpos (S,)``, both ops let key ``t`` reach query ``p`` only if ``lo <= kpos[t] - qpos[p] <= hi``
@@ -33,7 +34,7 @@ import torch
 
 from .kernels import block_kernel, dropout_backward, dropout_forward
 
-__all__ = ["after", "block_attention", "block_attention_backward", "documents", "stat_dtype", "write_heads"]
+__all__ = ["add_rows", "after", "block_attention", "block_attention_backward", "documents", "stat_dtype", "write_heads"]
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -224,6 +225,24 @@ def write_heads(total: torch.Tensor, x: torch.Tensor, start: int) -> None:
     a chunk's result lands in the site's result without a concatenation that would hold every
     chunk's (Note [Head chunks of local branches] in ``attention.py``)."""
     total.narrow(1, start, x.shape[1]).copy_(x)
+
+
+@torch.library.custom_op("ring_rewrite::add_rows", mutates_args=())
+def add_rows(total: torch.Tensor | None, x: torch.Tensor, start: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``total (B, H, rows, C)`` (zeros where None) plus ``x (B, H, L, C)`` at rows ``[start,
+    start + L)``, in ``dtype``: a ring step's gradient sums (Note [Gradient sums of a ring step]
+    in ``attention.py``)."""
+    if total is None:
+        out = x.new_zeros((*x.shape[:2], rows, x.shape[3]), dtype=dtype)
+    else:
+        out = total.to(dtype, copy=True)
+    out.narrow(2, start, x.shape[2]).add_(x)
+    return out
+
+
+@add_rows.register_fake
+def _(total, x, start, rows, dtype):
+    return x.new_empty((*x.shape[:2], rows, x.shape[3]), dtype=dtype)
 
 
 @torch.library.custom_op("ring_rewrite::documents", mutates_args=())

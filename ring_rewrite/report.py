@@ -10,7 +10,9 @@ and backward bodies. Three facts of the generated code set it:
   every branch's results wait for it: forward, each branch's dilated out and lse until the merge
   writes ``out``; backward, each branch's dilated dq, dk, dv until one kernel writes their sum
   (``accumulate_kv``'s index_add too) into the site's dq, dk, dv. Within a ring the same holds
-  for a head chunk: the out (or dq) of every block of every step waits for its last step. Where
+  for a head chunk: the out of every block of every step waits for its last step (a ring's dq
+  and dK/dV are summed block by block instead, ``ops.add_rows``: Note [Gradient sums of a ring
+  step] in ``attention.py``). Where
   the local branches' backward runs in ``C`` head chunks (Note [Head chunks of local branches]
   in ``attention.py``), the site's dq, dk, dv exist from the first chunk on, and only one
   chunk's gradients of every local branch wait for its sums.
@@ -29,9 +31,9 @@ So the backward peak is ``saved`` plus the largest of
 
 * a ring branch running: the earlier rings' gradients, its head chunks done, its dilated copies
   (q, dout, out, lse, K/V at r > 1, gathered once: Note [Rows of a ring branch] in
-  ``attention.py``) and one chunk's buffers: K/V held and arriving, the dK/dV share kept home, an
-  accumulator leaving and the next, each block's dq, the largest block's kernel gradients and
-  scratch;
+  ``attention.py``) and one chunk's buffers: K/V held and arriving, the dK/dV share kept home, the
+  accumulator that arrived and the next, the dq sum and its next copy, the largest block's
+  kernel gradients and scratch;
 * a local branch running: the gradients of those before it and its own, its dilated copies
   (the same, K/V in the compute dtype) and its kernel's scratch;
 * the sum: every branch's gradients and the site's dq, dk, dv (none new when a lone rate-1
@@ -242,9 +244,10 @@ def _block_extra(
 
 def _ring_chunk(plan: SitePlan, branch, backward: bool) -> int:
     """What a ring branch needs at its busiest step beyond its results, over all heads (one head
-    chunk needs ``1 / head_chunks`` of it): K/V held and arriving; the blocks' out and lse, or dq,
-    until the last step merges or sums them; the largest block's kernel gradients and scratch;
-    backward, the dK/dV share kept home, an accumulator leaving and the next."""
+    chunk needs ``1 / head_chunks`` of it): K/V held and arriving; the blocks' out and lse until
+    the last step merges them, or the dq sum and its next copy; the largest block's kernel
+    gradients and scratch; backward, the dK/dV share kept home, the accumulator that arrived and
+    the next."""
     item, compute, stat = _itemsizes(plan)
     d, dv = plan.d, plan.dv
     layout = branch.layout
@@ -258,8 +261,10 @@ def _ring_chunk(plan: SitePlan, branch, backward: bool) -> int:
         total += 3 * kv * stat
     blocks = [blk for step in branch.steps for blk in step]
     part = plan.batch * plan.hq * layout.m  # query rows of one part
-    result = d * stat if backward else dv * compute + stat
-    total += sum(blk.q1 - blk.q0 for blk in blocks) * part * result
+    if backward:
+        total += 2 * q_rows * d * stat  # the dq sum so far and its next copy (``ops.add_rows``)
+    else:
+        total += sum(blk.q1 - blk.q0 for blk in blocks) * part * (dv * compute + stat)
     blk = max(blocks, key=lambda b: (b.q1 - b.q0, b.k1 - b.k0))
     lengths = ((blk.q1 - blk.q0) * layout.m, (blk.k1 - blk.k0) * layout.m)
     bq, bk = (blk.q1 - blk.q0) * part, (blk.k1 - blk.k0) * plan.batch * layout.kv_heads * layout.m

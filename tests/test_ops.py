@@ -1,5 +1,5 @@
 """The ``ring_rewrite`` custom ops: ``block_attention`` and ``block_attention_backward``, and the
-two that order a site's gradient sums (``after``, ``write_heads``).
+ones that order and add a site's gradient sums (``after``, ``write_heads``, ``add_rows``).
 
 Checked against a dense float64 computation of one block of attention: softmax and log-sum-exp
 of ``scale * q k^T + bias`` with top-left causal masking and GQA by head groups; a row whose every
@@ -118,6 +118,22 @@ def test_write_heads_writes_its_heads_in_place_and_nothing_else():
     assert torch.equal(total[:, 3:5], x)
     assert not total[:, :3].any() and not total[:, 5:].any()
     torch.library.opcheck(torch.ops.ring_rewrite.write_heads, (torch.zeros(2, 6, 5, 3), x, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rows_adds_at_its_rows_into_a_copy(dtype):
+    x = torch.randn(2, 3, 4, 5, dtype=dtype)
+    got = torch.ops.ring_rewrite.add_rows(None, x, 2, 7, torch.float32)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 7, 5)
+    assert torch.equal(got[:, :, 2:6], x.float()) and not got[:, :, :2].any() and not got[:, :, 6:].any()
+    total = torch.randn(2, 3, 7, 5, dtype=torch.float64)
+    before = total.clone()
+    got = torch.ops.ring_rewrite.add_rows(total, x, 3, 7, torch.float64)
+    want = before.clone()
+    want[:, :, 3:7] += x.double()
+    assert torch.equal(got, want) and torch.equal(total, before)  # the running sum is not touched
+    torch.library.opcheck(torch.ops.ring_rewrite.add_rows, (total, x, 3, 7, torch.float64))
+    torch.library.opcheck(torch.ops.ring_rewrite.add_rows, (None, x, 0, 4, torch.float32))
 
 
 # ---- forward -----------------------------------------------------------------------------------
