@@ -48,9 +48,14 @@ One site (``--site``, issue 19): the first call of one LongNet site alone, the a
 enable_gqa=True)``, 4 query / 2 KV heads of 32, float32, segments [2048, 8192, 32768, 131072]
 and rates [1, 4, 16, 64], their first ``B`` branches, zigzag), forward + backward, against P, N
 and B, with the same cold process, timers and counters. Beside each: the plan's ring branches,
-ring steps and head chunks, which the compile should not grow with. The target: at most 30 s
-for the site at P = 4. Not checked numerically, as above (P = 1 included: ``scale.py`` checks
-this config on real ranks).
+ring steps and head chunks, which the compile should not grow with. Before the first step the
+process runs inductor's probes of the machine's vector ISAs (``pick_vec_isa``: C++ test programs
+built and loaded, about 7 s here): whatever compiles first in a fresh inductor cache pays them
+once, site or not, and a user pays them once per machine, as for the precompiled header that
+inductor keeps outside the cache directory (not rebuilt here either). They are timed apart
+(``ISA probes s``) and added back in ``with probes s``; ``compile s`` and the phase timers are the
+site's own. The target: at most 30 s for the site at P = 4, on ``compile s``. Not checked
+numerically, as above (P = 1 included: ``scale.py`` checks this config on real ranks).
 
     python benchmarks/compile_cost.py                        # L = 4, 8, 12; P = 1, 4; N = 1024
     python benchmarks/compile_cost.py --quick                # smoke test: L = 2, N = 256
@@ -368,7 +373,22 @@ def measure_site(case: SiteCase) -> dict[str, Any]:
     def step() -> None:
         compiled(q, k, v).sum().backward()
 
-    return _compile_timed(case, step)
+    probes = _isa_probes()
+    before = _timers()
+    timed = _compile_timed(case, step)
+    timed["timers_s"] = {name: t - before[name] for name, t in timed["timers_s"].items()}
+    return {**timed, "isa_probes_s": probes}
+
+
+def _isa_probes() -> float:
+    """Seconds of inductor's probes of this machine's vector ISAs: C++ test programs built and
+    loaded once per inductor cache directory (so once per machine, for a user) by whatever
+    compiles first, site or not."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    start = time.perf_counter()
+    pick_vec_isa()
+    return time.perf_counter() - start
 
 
 def _site_cases(opts: argparse.Namespace) -> list[SiteCase]:
@@ -389,6 +409,7 @@ def _site_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         del phases["dynamo trace s"]
         rows.append({
             "N": r["seq"], "P": r["world"], "branches": r["branches"], **site_shape(case), **phases,
+            "ISA probes s": r["isa_probes_s"], "with probes s": r["compile_s"] + r["isa_probes_s"],
             "warm step s": r["warm_step_s"],
         })  # fmt: skip
     return rows
@@ -408,15 +429,19 @@ def site_main(opts: argparse.Namespace) -> int:
         runs.append(_run(case))
         print(f"  N={case.seq} P={case.world} B={case.branches}: compile {runs[-1]['compile_s']:.1f} s", flush=True)
     rows = _site_rows(runs)
-    at_4 = [row["compile s"] for row in rows if row["P"] == 4]
+    at_4 = [row for row in rows if row["P"] == 4]
     target = {
-        "line": f"first call of one LongNet site at P = 4 <= {SITE_TARGET_S:g} s",
-        "worst_s": max(at_4),
-        "met": max(at_4) <= SITE_TARGET_S,
+        "line": f"first call of one LongNet site at P = 4 <= {SITE_TARGET_S:g} s (without inductor's ISA probes)",
+        "worst_s": max(row["compile s"] for row in at_4),
+        "worst_with_probes_s": max(row["with probes s"] for row in at_4),
+        "met": max(row["compile s"] for row in at_4) <= SITE_TARGET_S,
     }
     print()
     print(tabulate(rows, headers="keys", floatfmt=".3g"))
-    print(f"\ntarget: {target['line']}: worst {target['worst_s']:.1f} s -> {verdict(target['met'])}")
+    print(
+        f"\ntarget: {target['line']}: worst {target['worst_s']:.1f} s "
+        f"({target['worst_with_probes_s']:.1f} s with them) -> {verdict(target['met'])}"
+    )
     write_json(opts.out.with_name("compile_cost_site.json"), {
         "benchmark": "compile_cost --site",
         "machine": record_machine,

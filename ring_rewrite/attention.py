@@ -494,9 +494,8 @@ def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, first, seed, docs):
     first chunk's step-0 transfer, already started."""
     outs, lses = [], []
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
-        heads = (qh.stop - qh.start, kh.stop - kh.start)
         out, lse = _ring_forward_chunk(
-            plan, ring, i, c, branch, heads, qd[:, qh], _chunk_kv(kd, vd, bias, qh, kh),
+            plan, ring, i, c, branch, qd[:, qh], _chunk_kv(kd, vd, bias, qh, kh),
             first if c == 0 else None, seed, docs, qh,
         )  # fmt: skip
         outs.append(out)
@@ -504,13 +503,11 @@ def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, first, seed, docs):
     return _cat_heads(outs), _cat_heads(lses)
 
 
-def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kv, first, seed, docs, qh):
+def _ring_forward_chunk(plan, ring, i, c, branch, qd, kv, first, seed, docs, qh):
     """Out and lse of one head chunk of a ring branch; K/V travel while each step computes, and
     so does their key bias (a mask), if any (``kv``; ``first``: the step-0 transfer, if started)."""
     layout = branch.layout
-    hq, hkv = heads
-    acc_out: list = [None] * layout.nseg
-    acc_lse: list = [None] * layout.nseg
+    merged: dict = {}  # runs of parts [p0, p1) -> their (out, lse) merged so far
     for step, blocks in enumerate(branch.steps):
         moves = step + 1 < len(branch.ring)
         if moves:
@@ -535,19 +532,44 @@ def _ring_forward_chunk(plan, ring, i, c, branch, heads, qd, kv, first, seed, do
                 )
             computed += [out, lse]
             with role("merge", branch=i, step=step):
-                outs = _split_rows(out, layout, blk.q0, blk.q1)
-                lses = _split_rows(lse, layout, blk.q0, blk.q1)
-                for part, o, l in zip(range(blk.q0, blk.q1), outs, lses):
-                    if acc_out[part] is None:
-                        acc_out[part], acc_lse[part] = o, l
-                    else:
-                        acc_out[part], acc_lse[part] = merge_partials(
-                            [acc_out[part], o], [acc_lse[part], l]
-                        )
+                _merge_rows(merged, layout, blk.q0, blk.q1, out, lse)
         if moves:
             with role("p2p", branch=i, step=step):
                 kv = ring.wait(flight, computed)
-    return torch.cat(acc_out, 2), torch.cat(acc_lse, 2)
+    runs = [merged[run] for run in sorted(merged)]
+    if len(runs) == 1:
+        return runs[0]
+    return torch.cat([o for o, _ in runs], 2), torch.cat([l for _, l in runs], 2)
+
+
+def _merge_rows(merged: dict, layout, p0: int, p1: int, out, lse) -> None:
+    """A block's ``out`` and ``lse`` over parts ``[p0, p1)`` merged into ``merged``, runs of
+    parts and their results so far: a run that is the block's parts merges whole (a rank's
+    blocks mostly cover the same parts, so mostly one merge a block); where the block and the
+    runs cut each other, both go part by part."""
+    if (p0, p1) in merged:
+        merged[(p0, p1)] = _merged(merged[(p0, p1)], (out, lse))
+        return
+    if not any(a < p1 and p0 < b for a, b in merged):
+        merged[(p0, p1)] = (out, lse)
+        return
+    for (a, b), (o, l) in list(merged.items()):
+        if a < p1 and p0 < b:
+            del merged[(a, b)]
+            merged.update(_parts(layout, a, b, o, l))
+    for run, (o, l) in _parts(layout, p0, p1, out, lse).items():
+        merged[run] = _merged(merged[run], (o, l)) if run in merged else (o, l)
+
+
+def _merged(acc: tuple, new: tuple) -> tuple:
+    """``acc`` and ``new``, each ``(out, lse)``, merged."""
+    return merge_partials([acc[0], new[0]], [acc[1], new[1]])
+
+
+def _parts(layout, p0: int, p1: int, out, lse) -> dict:
+    """``out`` and ``lse`` over parts ``[p0, p1)`` as one run per part (views)."""
+    pieces = zip(_split_rows(out, layout, p0, p1), _split_rows(lse, layout, p0, p1))
+    return {(part, part + 1): piece for part, piece in zip(range(p0, p1), pieces)}
 
 
 def _dilate(plan: SitePlan, layout, *xs, kv: bool = False):
