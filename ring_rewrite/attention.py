@@ -735,7 +735,8 @@ def _ring_backward_chunk(
             here = None if step == 0 else dkv
             if here is None and not shares and step <= 1:
                 # Step 0 keeps a share of its own, step 1 starts the accumulators: touched or not.
-                here = [kd.new_zeros((layout.batch, hkv, rows, ch), dtype=plan.stat_dtype) for ch in (plan.d, plan.dv)]
+                shape = (layout.batch, hkv, rows)
+                here = [kd.new_zeros((*shape, ch), dtype=plan.stat_dtype) for ch in (plan.d, plan.dv)]
             for start, dkb, dvb in shares:
                 here = [_add_rows(plan, a, x, start, rows) for a, x in zip(here or (None, None), (dkb, dvb))]
             if step == 0:
