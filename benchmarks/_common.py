@@ -113,6 +113,23 @@ def peak_increase(fn: Callable[[], Any]) -> int:
     return peak
 
 
+def allocated_peak(fn: Callable[[], Any]) -> int:
+    """Bytes the CPU allocator's live total rises to above its level before ``fn()`` while it
+    runs: the running sum of ``torch.profiler``'s memory events. Bytes allocated, written or not
+    (RSS counts a page only once written: ``peak_increase`` can read lower)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    del result
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def can_measure_memory() -> bool:
     return os.path.exists("/proc/self/clear_refs")
 

@@ -13,7 +13,10 @@ For each N (one fresh set of P processes, one thread each): the first forward + 
 peak RSS over RSS before the step (inputs excluded; glibc serves large allocations with mmap, so
 freed tensors leave RSS), the report's own peak estimate for the same plan
 (``report.attention_memory_bytes``, Note [Memory of a site]) and the bytes the ring sent (the P2P
-counter) against the plan's. Before the next N, the plan and the measured peak at this N say
+counter) against the plan's; then one more step under ``torch.profiler`` for the allocator's peak
+(bytes allocated, ``_common.allocated_peak``), which is what the estimate counts: a page of an
+allocated buffer counts in RSS only once written (a site whose local backward runs in head chunks
+allocates its dq, dk, dv before the first chunk and writes them chunk by chunk). Before the next N, the plan and the measured peak at this N say
 whether it can fit: an N whose predicted peak (measured bytes per token, scaled) exceeds the
 memory available is reported as not run rather than left to the OOM killer.
 
@@ -177,10 +180,11 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     del first
     measured = _step(ours, q, k, v, dout)
     del measured["out"], measured["dq"]
+    allocated = _common.allocated_peak(lambda: _step(ours, q, k, v, dout))
     (site,) = backend.records
     sent = bytes_sent(site.plan)
     result = {
-        "rank": rank, "first_call_s": first_s, **measured, "errors": errors,
+        "rank": rank, "first_call_s": first_s, **measured, "allocated_bytes": allocated, "errors": errors,
         "report_peak_bytes": attention_memory_bytes(site.plan)["peak"],
         "plan_sent_bytes": sent["forward"] + sent["backward"],
         "q_bytes": q.numel() * q.element_size(),
@@ -219,6 +223,7 @@ def _row(n: int, world: int, ranks: list[dict]) -> dict:
         "s / step": slowest,
         "tokens/s": n / slowest,
         "peak MiB (max rank)": max(r["peak_bytes"] for r in ranks) / _common.MIB,
+        "allocated MiB (max rank)": max(r["allocated_bytes"] for r in ranks) / _common.MIB,
         "report est. MiB": max(r["report_peak_bytes"] for r in ranks) / _common.MIB,
         "peak / q size": max(r["peak_bytes"] / r["q_bytes"] for r in ranks),
         "sent MiB (max rank)": max(r["sent_bytes"] for r in ranks) / _common.MIB,
