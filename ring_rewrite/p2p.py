@@ -464,16 +464,26 @@ class _Waiter:
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            works, job.works = job.works, ()
             try:
-                for work in job.works:
-                    if not work.done:
-                        try:
-                            work.work.wait()
-                        finally:
-                            work.done = True
+                self._wait_all(works)
             except BaseException as error:  # noqa: BLE001  (handed to the caller)
                 job.error = error
+            # NOTE: a gloo work holds its tensors; this thread keeps no work once the caller may
+            # go on, so the caller frees them (what it frees, torch.profiler sees), never this
+            # thread later on (it held a job's works until the next job came).
+            del works
             job.finished.set()
+            del job
+
+    @staticmethod
+    def _wait_all(works: list[_Work]) -> None:
+        for work in works:
+            if not work.done:
+                try:
+                    work.work.wait()
+                finally:
+                    work.done = True
 
 
 _WAITER = _Waiter()
