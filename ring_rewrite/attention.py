@@ -56,10 +56,22 @@ runs of a rank's parts (both zigzag chunks, or one), so it holds its tensors as 
 nseg*m, D)``, per head the parts one after another: every block's rows are then a slice, a view,
 and its out, lse and gradients split back into parts by views. With ``r = 1`` that layout is
 the rank's sequence itself (no copy). Otherwise the dilation gathers each tensor once per
-branch, and ``_materialized`` keeps it one buffer: under inductor a cheap gather feeding slices
-is recomputed for each consumer, one kernel per block, head chunk and ring step (at 64k on 4
-ranks, 30 kernels for the site, now 18; the C++ build of those kernels was most of the compile).
-The gathered copies are ``1/r`` of the inputs they come from.
+branch into a buffer of its own (``ops.dilate``, Note [Gathers as calls]), which every block,
+head chunk and ring step reads by views: 1/r of the input it comes from.
+
+Note [Gathers as calls]
+~~~~~~~~~~~~~~~~~~~~~~~
+Where a branch's rows do not stay in place (``r > 1``, or padding), the gather is one call of
+``ops.dilate``: per kernel head, one strided copy of that head's lattice rows, whose head and
+offset are Python ints of the call. Written as indexing, inductor made each gather a C++ kernel
+with the branch's sizes, heads and lattice offsets baked in: per ring branch one for q, k, v in
+the forward and two in the backward, and per head chunk of the local branches' backward one
+more (each chunk's heads have their own offsets), at about 0.6 s of C++ each, most of a site's
+compile (``benchmarks/compile_cost.py --site``: at 16k tokens on 4 ranks 16 kernels, 7 after,
+26 -> 16 s). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
+input), so nothing is lost at run time; the graph still shows one node per gather, role
+``dilate``. The scatters back (``undilate_q``, ``accumulate_kv``) stay torch ops: they fuse
+with the merges and sums they feed.
 
 Note [Gradient sums of a ring step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -305,9 +317,8 @@ def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torc
     if mask is None:
         mask = q.new_zeros(1, 1, 1)
     keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(layout.batch, layout.hq, layout.n, 1)
-    if not branch.is_local:
-        return _ring_rows(plan, layout, keys, fill=_NEG_INF)[0].transpose(-1, -2)
-    return layout.dilate_q(keys, fill=_NEG_INF).transpose(-1, -2)
+    (bias,) = _dilated(plan, layout, keys, rows=not branch.is_local, fill=_NEG_INF)
+    return bias.transpose(-1, -2)
 
 
 def _to_rows(x: torch.Tensor, layout) -> torch.Tensor:
@@ -321,27 +332,24 @@ def _from_rows(x: torch.Tensor, layout) -> torch.Tensor:
     return x.unflatten(2, (layout.nseg, layout.m)).transpose(1, 2).flatten(0, 1)
 
 
-def _ring_rows(
-    plan: SitePlan, layout, *xs, kv: bool = False, fill: float = 0.0, upcast: bool = True
-) -> list[torch.Tensor]:
-    """``xs (B, H, n[, C])`` in a ring branch's layout ``(B, H', nseg*m[, C])``, materialized
-    once (Note [Rows of a ring branch]); q-like ones in the compute dtype (unless not
-    ``upcast``), K/V as they are (they travel in the input dtype)."""
-    if layout.r == 1 and layout.padded == layout.n:
-        rows = list(xs)  # every row in place: a rank's parts one after another are its sequence
-    else:
-        dilate = layout.dilate_kv if kv else lambda x: layout.dilate_q(x, fill)
-        rows = [_materialized(_to_rows(dilate(x), layout)) for x in xs]
-    if kv or not upcast or plan.compute_dtype == plan.dtype:
-        return rows
-    return [x.to(plan.compute_dtype) for x in rows]
-
-
-def _materialized(x: torch.Tensor) -> torch.Tensor:
-    """``x`` computed once into a buffer of its own, which every later view reads. NOTE: under
-    inductor a gather that feeds several slices is otherwise recomputed for each (one kernel per
-    slice: per block, head chunk and ring step); elsewhere the op does nothing."""
-    return torch.ops.prims.inductor_force_stride_order(x, x.stride())
+def _dilated(
+    plan: SitePlan, layout, *xs, kv: bool = False, rows: bool = False, fill: float = 0.0,
+    dtype: torch.dtype | None = None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """``xs (B, H, n[, C])`` in a branch's kernel layout ``(B*nseg, H', m[, C])`` or, with
+    ``rows``, a ring branch's ``(B, H', nseg*m[, C])`` (Note [Rows of a ring branch]): views
+    where the rows stay in place, else one ``ops.dilate`` call each (Note [Gathers as calls]).
+    In ``dtype``: by default the compute dtype, but for a ring's K/V, which travel in the input
+    dtype (upcast per block, ``_kv_rows``)."""
+    dtype = dtype or (plan.dtype if kv and rows else plan.compute_dtype)
+    if layout.padded == layout.n and (layout.r == 1 or (kv and layout.shared_kv and not rows)):
+        if rows:
+            ys = list(xs)  # a rank's parts one after another are its sequence
+        else:
+            ys = [layout.dilate_kv(x) if kv else layout.dilate_q(x, fill) for x in xs]
+        return ys if dtype == plan.dtype else [y.to(dtype) for y in ys]
+    fields = [layout.w, layout.r, layout.n, layout.batch, layout.hq, layout.hkv, layout.head0]
+    return [torch.ops.ring_rewrite.dilate(x, fields, kv, rows, fill, dtype) for x in xs]
 
 
 def _rows(x: torch.Tensor, layout, p0: int, p1: int, dim: int = 2) -> torch.Tensor:
@@ -572,13 +580,6 @@ def _parts(layout, p0: int, p1: int, out, lse) -> dict:
     return {(part, part + 1): piece for part, piece in zip(range(p0, p1), pieces)}
 
 
-def _dilate(plan: SitePlan, layout, *xs, kv: bool = False):
-    dilate = layout.dilate_kv if kv else layout.dilate_q
-    if plan.compute_dtype == plan.dtype:
-        return [dilate(x) for x in xs]
-    return [dilate(x).to(plan.compute_dtype) for x in xs]
-
-
 def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None):
     """``(q, k, v[, mask][, token][, seed]) -> (out, saved)``; ``mask`` is an additive key bias
     ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
@@ -594,8 +595,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     for i, branch in enumerate(plan.branches):
         if not branch.is_local:
             with role("dilate", branch=i):
-                (qd,) = _ring_rows(plan, branch.layout, ql)
-                kd, vd = _ring_rows(plan, branch.layout, kl, vl, kv=True)
+                (qd,) = _dilated(plan, branch.layout, ql, rows=True)
+                kd, vd = _dilated(plan, branch.layout, kl, vl, kv=True, rows=True)
                 bias = _branch_bias(plan, branch, ql, ml)
             ring = _ring(rotater, i, branch)
             first = _first_transfer(plan, ring, i, branch, KV, kd, vd, bias)
@@ -605,8 +606,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
         layout = branch.layout
         if branch.is_local:
             with role("dilate", branch=i):
-                (qd,) = _dilate(plan, layout, ql)
-                kd, vd = _dilate(plan, layout, kl, vl, kv=True)
+                (qd,) = _dilated(plan, layout, ql)
+                kd, vd = _dilated(plan, layout, kl, vl, kv=True)
                 bias = _branch_bias(plan, branch, ql, ml)
             ((blk,),) = branch.steps
             with role("attention", branch=i):
@@ -822,9 +823,10 @@ def _local_chunk(plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse
         q_heads = heads(ql, qh)
         mask = None if ml is None else heads(ml.expand(-1, plan.hq, -1), qh)  # (B|1, Hq|1, N)
         with role("dilate", branch=i):
-            qd, dod, od = _dilate(plan, layout, q_heads, heads(dol, qh), heads(out, qh))
-            kd, vd = _dilate(plan, layout, heads(kl, kh), heads(vl, kh), kv=True)
-            lsed = layout.dilate_q(heads(lse, qh).unsqueeze(-1), fill=float("inf")).squeeze(-1)
+            qd, dod, od = _dilated(plan, layout, q_heads, heads(dol, qh), heads(out, qh))
+            kd, vd = _dilated(plan, layout, heads(kl, kh), heads(vl, kh), kv=True)
+            (lsed,) = _dilated(plan, layout, heads(lse, qh).unsqueeze(-1), fill=float("inf"), dtype=plan.stat_dtype)
+            lsed = lsed.squeeze(-1)
             bias = _branch_bias(plan, chunk, q_heads, mask)
         lsed = _after(lsed, *before)
         ((blk,),) = branch.steps
@@ -861,9 +863,9 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
             continue
         layout = branch.layout
         with role("dilate", branch=i):
-            qd, dod, od = _ring_rows(plan, layout, ql, dol, out)
-            kd, vd = _ring_rows(plan, layout, kl, vl, kv=True)
-            (lsed,) = _ring_rows(plan, layout, lse.unsqueeze(-1), fill=float("inf"), upcast=False)
+            qd, dod, od = _dilated(plan, layout, ql, dol, out, rows=True)
+            kd, vd = _dilated(plan, layout, kl, vl, kv=True, rows=True)
+            (lsed,) = _dilated(plan, layout, lse.unsqueeze(-1), rows=True, fill=float("inf"), dtype=plan.stat_dtype)
             lsed = lsed.squeeze(-1)
             bias = _branch_bias(plan, branch, ql, ml)
         ring = _ring(rotater, i, branch)

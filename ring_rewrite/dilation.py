@@ -177,6 +177,41 @@ class BranchLayout:
             y = x6[:, :, head, off]
         return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, last_dim(y, self.batch))
 
+    def gather(
+        self, x: torch.Tensor, *, kv: bool = False, rows: bool = False, fill: float = 0.0,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``dilate_kv(x)`` (``kv``) or ``dilate_q(x, fill)`` copied into a buffer of its own, in
+        ``dtype`` (default ``x``'s); with ``rows`` in a ring branch's layout ``(B, H', nseg*m, C)``
+        (per head its segments one after another) instead of ``(B*nseg, H', m, C)``.
+
+        One strided copy per kernel head (its head and lattice offset are Python ints here, not
+        constants of generated code: Note [Gathers as calls] in ``attention.py``); rows past the
+        sequence (``padded > n``) get ``fill``.
+        """
+        head, off = (self._kv_pairs if kv else self._q_pairs)(torch.device("cpu"))
+        channels = x.shape[-1]
+        heads, per_head = len(head), (x.shape[0], self.nseg, self.m, channels)
+        if rows:
+            out = x.new_empty((x.shape[0], heads, self.nseg * self.m, channels), dtype=dtype)
+            dst = out.view(x.shape[0], heads, *per_head[1:])
+        else:
+            out = x.new_empty((x.shape[0] * self.nseg, heads, self.m, channels), dtype=dtype)
+            dst = out.view(x.shape[0], self.nseg, heads, self.m, channels).transpose(1, 2)
+        whole = self.n // self.seg  # segments inside the sequence; a last one may be cut short
+        for a, (h, o) in enumerate(zip(head.tolist(), off.tolist())):
+            src = x[:, h]
+            if whole:
+                cut = src.narrow(1, 0, whole * self.seg).view(x.shape[0], whole, self.m, self.r, channels)
+                dst[:, a, :whole].copy_(cut[:, :, :, o])
+            if whole < self.nseg:
+                tail = dst[:, a, whole]  # (B, m, C)
+                start = whole * self.seg + o
+                kept = max(0, -(-(self.n - start) // self.r))
+                tail.narrow(1, 0, kept).copy_(src[:, start :: self.r])
+                tail.narrow(1, kept, self.m - kept).fill_(fill)
+        return out
+
     def accumulate_kv(self, y: torch.Tensor, channels: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """Adjoint of ``dilate_kv``: sums dilated kv rows back into ``(B, Hkv, n, C)``, added to
         ``into`` (same shape and dtype as ``y``) if given.

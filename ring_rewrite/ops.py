@@ -16,7 +16,8 @@ attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the s
 block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
-``after(x, deps)`` and ``write_heads(total, x, start)`` order the local branches' gradient sums
+``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
+``attention.py``). ``after(x, deps)`` and ``write_heads(total, x, start)`` order the local branches' gradient sums
 (Note [Head chunks of local branches] in ``attention.py``); ``add_rows(total, x, start, rows,
 dtype)`` sums a ring step's gradients (Note [Gradient sums of a ring step] there).
 
@@ -32,9 +33,13 @@ import operator
 
 import torch
 
+from .dilation import BranchLayout
 from .kernels import block_kernel, dropout_backward, dropout_forward
 
-__all__ = ["add_rows", "after", "block_attention", "block_attention_backward", "documents", "stat_dtype", "write_heads"]
+__all__ = [
+    "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "documents", "stat_dtype",
+    "write_heads",
+]  # fmt: skip
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -243,6 +248,28 @@ def add_rows(total: torch.Tensor | None, x: torch.Tensor, start: int, rows: int,
 @add_rows.register_fake
 def _(total, x, start, rows, dtype):
     return x.new_empty((*x.shape[:2], rows, x.shape[3]), dtype=dtype)
+
+
+@torch.library.custom_op("ring_rewrite::dilate", mutates_args=())
+def dilate(
+    x: torch.Tensor, layout: list[int], kv: bool, rows: bool, fill: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``x (B, H, n, C)`` dilated by the branch ``layout`` (``BranchLayout``'s fields ``w, r, n,
+    batch, hq, hkv, head0``) into a buffer of its own, in ``dtype``: the kv rows (``kv``) or the
+    query rows (off the sequence: ``fill``), in kernel layout or, with ``rows``, a ring branch's
+    (``BranchLayout.gather``; Note [Gathers as calls] in ``attention.py``)."""
+    return BranchLayout(*layout).gather(x, kv=kv, rows=rows, fill=fill, dtype=dtype)
+
+
+@dilate.register_fake
+def _(x, layout, kv, rows, fill, dtype):
+    geometry = BranchLayout(*layout)
+    heads = geometry.kv_heads if kv else geometry.hq
+    if rows:
+        shape = (x.shape[0], heads, geometry.nseg * geometry.m, x.shape[-1])
+    else:
+        shape = (x.shape[0] * geometry.nseg, heads, geometry.m, x.shape[-1])
+    return x.new_empty(shape, dtype=dtype)
 
 
 @torch.library.custom_op("ring_rewrite::documents", mutates_args=())

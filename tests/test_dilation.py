@@ -157,3 +157,24 @@ def test_accumulate_kv_into_adds_to_it(params):
     y = torch.randn(batch * layout.nseg, layout.kv_heads, layout.m, C, dtype=torch.float64)
     got = layout.accumulate_kv(y, C, into=total.clone())
     torch.testing.assert_close(got, total + layout.accumulate_kv(y, C), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("params", GRID, ids=IDS)
+def test_gather_is_the_dilation_in_a_buffer_of_its_own(params, rows):
+    """``gather`` (what ``ops.dilate`` runs): ``dilate_q`` / ``dilate_kv`` copied, in kernel
+    layout or a ring branch's rows; for a slice of the heads too (``heads``: each keeps the
+    lattice offset of its number in the site); from an expanded input; in another dtype."""
+    whole = _layout(params)
+    g = whole.g
+    for layout in (whole, whole.heads(g, whole.hq) if whole.hkv > 1 else whole):
+        batch = layout.batch
+        for kv, fill in ((False, float("-inf")), (False, 0.0), (True, 0.0)):
+            heads = layout.hkv if kv else layout.hq
+            for x in (torch.randn(batch, heads, layout.n, C), torch.randn(batch, 1, layout.n, 1).expand(-1, heads, -1, -1)):
+                want = layout.dilate_kv(x) if kv else layout.dilate_q(x, fill)
+                if rows:  # per head its segments one after another
+                    want = want.unflatten(0, (batch, layout.nseg)).transpose(1, 2).flatten(2, 3)
+                got = layout.gather(x, kv=kv, rows=rows, fill=fill, dtype=torch.float64)
+                assert got.dtype == torch.float64 and got.is_contiguous()
+                assert torch.equal(got, want.double())

@@ -136,6 +136,20 @@ def test_add_rows_adds_at_its_rows_into_a_copy(dtype):
     torch.library.opcheck(torch.ops.ring_rewrite.add_rows, (None, x, 0, 4, torch.float32))
 
 
+def test_dilate_is_the_layouts_gather():
+    from ring_rewrite.dilation import BranchLayout
+
+    fields = [8, 4, 20, 2, 4, 2, 2]  # w, r, n (not a multiple of w), batch, hq, hkv, head0
+    x, k = torch.randn(2, 4, 20, 5), torch.randn(2, 2, 20, 5)
+    layout = BranchLayout(*fields)
+    got = torch.ops.ring_rewrite.dilate(x, fields, False, True, float("-inf"), torch.float64)
+    assert torch.equal(got, layout.gather(x, rows=True, fill=float("-inf"), dtype=torch.float64))
+    got = torch.ops.ring_rewrite.dilate(k, fields, True, False, 0.0, torch.float32)
+    assert torch.equal(got, layout.dilate_kv(k))
+    torch.library.opcheck(torch.ops.ring_rewrite.dilate, (x, fields, False, True, 0.0, torch.float32))
+    torch.library.opcheck(torch.ops.ring_rewrite.dilate, (k, fields, True, False, 0.0, torch.float64))
+
+
 # ---- forward -----------------------------------------------------------------------------------
 
 
