@@ -68,7 +68,7 @@ with the branch's sizes, heads and lattice offsets baked in: per ring branch one
 the forward and two in the backward, and per head chunk of the local branches' backward one
 more (each chunk's heads have their own offsets), at about 0.6 s of C++ each, most of a site's
 compile (``benchmarks/compile_cost.py --site``: at 16k tokens on 4 ranks 16 kernels, 7 after,
-26 -> 16 s). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
+23.7 -> 16.4 s). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
 input), so nothing is lost at run time; the graph still shows one node per gather, role
 ``dilate``. The scatters back (``undilate_q``, ``accumulate_kv``) stay torch ops: they fuse
 with the merges and sums they feed.
