@@ -177,6 +177,13 @@ class BranchLayout:
             y = x6[:, :, head, off]
         return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, last_dim(y, self.batch))
 
+    def gathered_shape(self, batch: int, channels: int, *, kv: bool, rows: bool) -> tuple[int, ...]:
+        """Shape of ``gather``'s result for an input of ``batch`` and ``channels``."""
+        heads = self.kv_heads if kv else self.hq
+        if rows:
+            return (batch, heads, self.nseg * self.m, channels)
+        return (batch * self.nseg, heads, self.m, channels)
+
     def gather(
         self, x: torch.Tensor, *, kv: bool = False, rows: bool = False, fill: float = 0.0,
         dtype: torch.dtype | None = None,
@@ -190,19 +197,17 @@ class BranchLayout:
         sequence (``padded > n``) get ``fill``.
         """
         head, off = (self._kv_pairs if kv else self._q_pairs)(torch.device("cpu"))
-        channels = x.shape[-1]
-        heads, per_head = len(head), (x.shape[0], self.nseg, self.m, channels)
+        batch, heads, channels = x.shape[0], len(head), x.shape[-1]
+        out = x.new_empty(self.gathered_shape(batch, channels, kv=kv, rows=rows), dtype=dtype)
         if rows:
-            out = x.new_empty((x.shape[0], heads, self.nseg * self.m, channels), dtype=dtype)
-            dst = out.view(x.shape[0], heads, *per_head[1:])
+            dst = out.view(batch, heads, self.nseg, self.m, channels)
         else:
-            out = x.new_empty((x.shape[0] * self.nseg, heads, self.m, channels), dtype=dtype)
-            dst = out.view(x.shape[0], self.nseg, heads, self.m, channels).transpose(1, 2)
+            dst = out.view(batch, self.nseg, heads, self.m, channels).transpose(1, 2)
         whole = self.n // self.seg  # segments inside the sequence; a last one may be cut short
         for a, (h, o) in enumerate(zip(head.tolist(), off.tolist())):
             src = x[:, h]
             if whole:
-                cut = src.narrow(1, 0, whole * self.seg).view(x.shape[0], whole, self.m, self.r, channels)
+                cut = src.narrow(1, 0, whole * self.seg).view(batch, whole, self.m, self.r, channels)
                 dst[:, a, :whole].copy_(cut[:, :, :, o])
             if whole < self.nseg:
                 tail = dst[:, a, whole]  # (B, m, C)

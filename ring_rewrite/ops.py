@@ -263,12 +263,7 @@ def dilate(
 
 @dilate.register_fake
 def _(x, layout, kv, rows, fill, dtype):
-    geometry = BranchLayout(*layout)
-    heads = geometry.kv_heads if kv else geometry.hq
-    if rows:
-        shape = (x.shape[0], heads, geometry.nseg * geometry.m, x.shape[-1])
-    else:
-        shape = (x.shape[0] * geometry.nseg, heads, geometry.m, x.shape[-1])
+    shape = BranchLayout(*layout).gathered_shape(x.shape[0], x.shape[-1], kv=kv, rows=rows)
     return x.new_empty(shape, dtype=dtype)
 
 
