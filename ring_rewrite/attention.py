@@ -35,19 +35,19 @@ only the last chunk's last hop has nothing to overlap with.
 Note [Head chunks of local branches]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A local branch's backward holds its dilated copies (q, dout, out, K/V at ``r > 1``), its
-kernel's gradients with their contiguous copy, and inductor, summing pointwise, keeps every
-branch's gradients until one kernel writes the site's dq, dk, dv: 9.6 ``q``-sized tensors at the
-peak in ``benchmarks/single_device.py``'s LongNet config. So the local branches' backward runs one
+kernel's gradients with their contiguous copy, and the sums they are added to (while inductor
+summed pointwise, every branch's gradients too: 9.6 ``q``-sized tensors at the peak in
+``benchmarks/single_device.py``'s LongNet config). So the local branches' backward runs one
 head chunk (of whole kv heads) at a time: every local branch computes its share of the chunk's
-heads, the shares are summed (with the rings' dq of those heads) and written into the site's dq,
-dk, dv in place (``ops.write_heads``; a concatenation would hold every chunk's sums beside its
-result), and the next chunk's blocks wait for those writes (``ops.after`` on their lse: nothing
-else stops a compiler from running every chunk's blocks first and holding their results). At
-once are held the site's gradients, one chunk's gradients of every local branch and one branch's
-copies and scratch for that chunk. ``SitePlan.local_chunks`` takes the fewest chunks whose share
-fits in ``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does a site with dropout (a
-block's keep-mask is drawn over all of its heads). The forward holds each branch's out and lse,
-``1 / r`` of q each, and needs no chunks.
+heads, the shares are summed (with the rings' dq of those heads, Note [Gradient sums as calls])
+and written into the site's dq, dk, dv in place (``ops.write_heads``; a concatenation would hold
+every chunk's sums beside its result), and the next chunk's blocks wait for those writes
+(``ops.after`` on their lse: nothing else stops a compiler from running every chunk's blocks
+first and holding their results). At once are held the site's gradients, one chunk's sums and
+one branch's copies, gradients and scratch for that chunk. ``SitePlan.local_chunks`` takes the
+fewest chunks whose share fits in ``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does
+a site with dropout (a block's keep-mask is drawn over all of its heads). The forward holds each
+branch's out and lse, ``1 / r`` of q each, and needs no chunks.
 
 Note [Rows of a ring branch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -70,8 +70,22 @@ more (each chunk's heads have their own offsets), at about 0.6 s of C++ each, mo
 compile (``benchmarks/compile_cost.py --site``: at 16k tokens on 4 ranks 16 kernels, 7 after,
 23.7 -> 16.4 s). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
 input), so nothing is lost at run time; the graph still shows one node per gather, role
-``dilate``. The scatters back (``undilate_q``, ``accumulate_kv``) stay torch ops: they fuse
-with the merges and sums they feed.
+``dilate``. The way back is a call too in the backward (Note [Gradient sums as calls]); the
+forward's undilation stays a torch op, fused with the merge it feeds.
+
+Note [Gradient sums as calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A branch's dq, dk, dv go back to the site's rows by ``ops.undilate_add``: per kernel head one
+strided add into a running total, in place, the adjoint of the gather. The first branch to reach
+a total allocates it in ``stat_dtype`` and zeroes it (or writes it, at rate 1 without padding,
+where every position gets one row); later ones add. A ring's dq waits, dilated (``1 / r`` of
+q), and is added to the local branches' sums of each head chunk.
+Written as torch ops (an undilation with zeros off the lattice, an ``index_add`` for kv heads not
+shared) inductor fused the sum of every branch into one kernel per head chunk of the local
+branches, with the chunk's lattice offsets baked in: 3 C++ kernels a chunk, and every branch's
+gradients held until they ran (Note [Memory of a site] in ``report.py``). As calls the backward
+compiles no kernel per chunk, and a branch's gradients are freed once added. The forward's merge
+stays pointwise (SPEC §4): it weighs each branch's out by every branch's lse.
 
 Note [Gradient sums of a ring step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -348,8 +362,32 @@ def _dilated(
         else:
             ys = [layout.dilate_kv(x) if kv else layout.dilate_q(x, fill) for x in xs]
         return ys if dtype == plan.dtype else [y.to(dtype) for y in ys]
-    fields = [layout.w, layout.r, layout.n, layout.batch, layout.hq, layout.hkv, layout.head0]
-    return [torch.ops.ring_rewrite.dilate(x, fields, kv, rows, fill, dtype) for x in xs]
+    return [torch.ops.ring_rewrite.dilate(x, _fields(layout), kv, rows, fill, dtype) for x in xs]
+
+
+def _fields(layout) -> list[int]:
+    """A ``BranchLayout`` as the ops take it."""
+    return [layout.w, layout.r, layout.n, layout.batch, layout.hq, layout.hkv, layout.head0]
+
+
+def _undilate_add(plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False) -> torch.Tensor:
+    """``total`` with ``y``, a branch's dilated gradient (``_dilated``'s layout), added at its
+    rows, in place (Note [Gradient sums as calls]); where ``total`` is None, a new one of
+    ``y``'s heads in ``stat_dtype``, in which contributions add up (SPEC §5), or ``y`` itself
+    where its rows are the site's (rate 1, no padding, one segment or a ring's rows)."""
+    zero = total is None
+    heads = layout.hkv if kv else layout.hq
+    # A ring's gradients are sums already (``stat_dtype``), a local block's in the compute dtype.
+    dtype = plan.stat_dtype if rows else plan.compute_dtype
+    if zero and dtype == plan.stat_dtype and layout.r == 1 and layout.padded == layout.n:
+        if rows:
+            return y
+        if layout.nseg == 1:
+            return y.view(layout.batch, heads, layout.n, last_dim(y, layout.batch))
+    if zero:
+        total = y.new_empty((layout.batch, heads, layout.n, y.shape[-1]), dtype=plan.stat_dtype)
+    torch.ops.ring_rewrite.undilate_add(total, y, _fields(layout), kv, rows, zero)
+    return total
 
 
 def _rows(x: torch.Tensor, layout, p0: int, p1: int, dim: int = 2) -> torch.Tensor:
@@ -392,12 +430,6 @@ def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
     """A few query values spread over the sequence (replicated mode compares them across
     ranks): a strided view, then a copy of at most ``Hq * 16`` values, never of all of q."""
     return q[:1, :, :: max(1, plan.n // 16), 0].reshape(-1)
-
-
-def _acc(plan: SitePlan, total, x):
-    # Contributions add up in float32, or float64 for float64 inputs (SPEC §5, ``stat_dtype``).
-    acc = plan.stat_dtype
-    return x if total is None else total.to(acc) + x.to(acc)
 
 
 def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> list[int]:
@@ -768,22 +800,25 @@ def _after(x: torch.Tensor, *totals) -> torch.Tensor:
         return torch.ops.ring_rewrite.after(x, deps)
 
 
-def _add_kv(plan: SitePlan, i: int, layout, dkd, dvd, dk, dv):
-    """Branch ``i``'s dilated dK/dV added into the totals ``dk``, ``dv`` (None: the first)."""
-    with role("undilate", branch=i):
-        # Later branches add into the totals in stat_dtype (``_acc``), straight at their rows.
-        dk = layout.accumulate_kv(dkd if dk is None else dkd.to(plan.stat_dtype), plan.d, into=dk)
-        dv = layout.accumulate_kv(dvd if dv is None else dvd.to(plan.stat_dtype), plan.dv, into=dv)
-    return dk, dv
+def _add_rings_dq(plan: SitePlan, dq, rings: list, qh: slice):
+    """``dq`` (None: a new one) plus query heads ``qh`` of the rings' dilated dq, ``rings`` as
+    ``(branch index, layout, dq)``."""
+    whole = qh == slice(0, plan.hq)
+    for i, layout, dqd in rings:
+        with role("undilate", branch=i):
+            if not whole:  # kernel heads of whole kv heads are those of the same query heads
+                layout, dqd = layout.heads(qh.start, qh.stop), dqd[:, qh]
+            dq = _undilate_add(plan, dq, dqd, layout, rows=True)
+    return dq
 
 
-def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, dq):
-    """dq, dk, dv summed over the local branches (and ``dq`` of the rings), one head chunk after
-    another (Note [Head chunks of local branches]), and the buffers whose compute the rings'
-    last dK/dV hops wait for."""
+def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, rings):
+    """dq, dk, dv summed over the local branches and the rings' dilated dq (``_add_rings_dq``),
+    one head chunk after another (Note [Head chunks of local branches]), and the buffers whose
+    compute the rings' last dK/dV hops wait for."""
     chunks = plan.local_chunks()
     if len(chunks) == 1:
-        return _local_chunk(plan, *chunks[0], dol, ql, kl, vl, out, lse, ml, seed, docs, dq, ())
+        return _local_chunk(plan, *chunks[0], dol, ql, kl, vl, out, lse, ml, seed, docs, rings, ())
     # A chunk's sums are final in the input dtype (rounded once), but for dK/dV to which the
     # rings' last hops still add (in stat_dtype).
     kv_dtype = plan.stat_dtype if any(not b.is_local for b in plan.branches) else plan.dtype
@@ -794,26 +829,23 @@ def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, d
             vl.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
         ]
     for c, (qh, kh) in enumerate(chunks):
-        rings = None if dq is None else dq[:, qh]
-        *sums, _ = _local_chunk(
-            plan, qh, kh, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, totals if c else ()
-        )  # fmt: skip
+        *sums, _ = _local_chunk(plan, qh, kh, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, totals if c else ())
         with role("merge"):
             for total, x, heads in zip(totals, sums, (qh, kh, kh)):
                 torch.ops.ring_rewrite.write_heads(total, x.to(total.dtype), heads.start)
     return (*totals, totals)
 
 
-def _local_chunk(plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse, ml, seed, docs, dq, before):
-    """dq, dk, dv of query heads ``qh`` (kv heads ``kh``) summed over the local branches, plus
-    ``dq`` (the rings' share of them), and the blocks' gradients; the blocks run once
-    ``before`` (the previous chunk's sums) are computed."""
+def _local_chunk(plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, before):
+    """dq, dk, dv of query heads ``qh`` (kv heads ``kh``) summed over the local branches and the
+    ``rings``' dq (``_add_rings_dq``), and the blocks' gradients; the blocks run once ``before``
+    (the previous chunk's sums) are computed."""
     whole = qh == slice(0, plan.hq)
 
     def heads(x, h):
         return x if whole else x[:, h]
 
-    dk = dv = None
+    dq = dk = dv = None
     computed = []
     for i, branch in enumerate(plan.branches):
         if not branch.is_local:
@@ -837,9 +869,10 @@ def _local_chunk(plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse
             )
         computed += [dqd, dkd, dvd]
         with role("undilate", branch=i):
-            dq = _acc(plan, dq, layout.undilate_q(dqd))
-        dk, dv = _add_kv(plan, i, layout, dkd, dvd, dk, dv)
-    return dq, dk, dv, computed
+            dq = _undilate_add(plan, dq, dqd, layout)
+            dk = _undilate_add(plan, dk, dkd, layout, kv=True)
+            dv = _undilate_add(plan, dv, dvd, layout, kv=True)
+    return _add_rings_dq(plan, dq, rings, qh), dk, dv, computed
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None):
@@ -855,7 +888,8 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         ql, kl, vl, dol = (_local(plan, x) for x in padded)
         ml = None if mp is None else _local(plan, mp)
         dp = None if docs is None else _padded(plan, docs)[0]
-    dq = dk = dv = None
+    dk = dv = None
+    rings = []  # each ring branch's dilated dq, added where the local branches' are
     landing = {}  # ring branches whose last dK/dV are on their way home
     # Ring branches first: their last hops land while the local branches compute.
     for i, branch in enumerate(plan.branches):
@@ -871,16 +905,18 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         ring = _ring(rotater, i, branch)
         dqd, landed, last = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp)
         landing[i] = (ring, landed, last)
-        with role("undilate", branch=i):
-            dq = _acc(plan, dq, layout.undilate_q(_from_rows(dqd, layout)))
+        rings.append((i, layout, dqd))
     computed = []  # what the local branches computed, after which the rings' last hops land
     if any(branch.is_local for branch in plan.branches):
-        dq, dk, dv, computed = _local_backward(plan, dol, ql, kl, vl, out, lse, ml, seed, dp, dq)
+        dq, dk, dv, computed = _local_backward(plan, dol, ql, kl, vl, out, lse, ml, seed, dp, rings)
+    else:
+        dq = _add_rings_dq(plan, None, rings, slice(0, plan.hq))
     for i, (ring, landed, last) in landing.items():
         branch = plan.branches[i]
-        landed = _ring_landed(plan, ring, i, branch, landed, last, computed)
-        dkd, dvd = (_from_rows(g, branch.layout) for g in landed)
-        dk, dv = _add_kv(plan, i, branch.layout, dkd, dvd, dk, dv)
+        dkd, dvd = _ring_landed(plan, ring, i, branch, landed, last, computed)
+        with role("undilate", branch=i):
+            dk = _undilate_add(plan, dk, dkd, branch.layout, kv=True, rows=True)
+            dv = _undilate_add(plan, dv, dvd, branch.layout, kv=True, rows=True)
     with role("undilate"):
         grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
     if plan.gathers:

@@ -184,6 +184,28 @@ class BranchLayout:
             return (batch, heads, self.nseg * self.m, channels)
         return (batch * self.nseg, heads, self.m, channels)
 
+    def _runs(self, x: torch.Tensor, y: torch.Tensor, *, kv: bool, rows: bool):
+        """For each kernel head of ``y`` (``gather``'s layout) and each run of its rows that is one
+        strided view of ``x (B, H, n, C)``: ``(x's rows, y's rows)``, views of the same shape,
+        and last, per head, the rows of ``y`` past the sequence (``None`` if no padding)."""
+        head, off = (self._kv_pairs if kv else self._q_pairs)(torch.device("cpu"))
+        batch, channels = x.shape[0], x.shape[-1]
+        if rows:
+            runs = y.view(batch, len(head), self.nseg, self.m, channels)
+        else:
+            runs = y.view(batch, self.nseg, len(head), self.m, channels).transpose(1, 2)
+        whole = self.n // self.seg  # segments inside the sequence; a last one may be cut short
+        for a, (h, o) in enumerate(zip(head.tolist(), off.tolist())):
+            xh = x[:, h]
+            if whole:
+                cut = xh.narrow(1, 0, whole * self.seg).view(batch, whole, self.m, self.r, channels)
+                yield cut[:, :, :, o], runs[:, a, :whole], None
+            if whole < self.nseg:
+                tail = runs[:, a, whole]  # (B, m, C)
+                start = whole * self.seg + o
+                kept = max(0, -(-(self.n - start) // self.r))
+                yield xh[:, start :: self.r], tail.narrow(1, 0, kept), tail.narrow(1, kept, self.m - kept)
+
     def gather(
         self, x: torch.Tensor, *, kv: bool = False, rows: bool = False, fill: float = 0.0,
         dtype: torch.dtype | None = None,
@@ -196,48 +218,26 @@ class BranchLayout:
         constants of generated code: Note [Gathers as calls] in ``attention.py``); rows past the
         sequence (``padded > n``) get ``fill``.
         """
-        head, off = (self._kv_pairs if kv else self._q_pairs)(torch.device("cpu"))
-        batch, heads, channels = x.shape[0], len(head), x.shape[-1]
-        out = x.new_empty(self.gathered_shape(batch, channels, kv=kv, rows=rows), dtype=dtype)
-        if rows:
-            dst = out.view(batch, heads, self.nseg, self.m, channels)
-        else:
-            dst = out.view(batch, self.nseg, heads, self.m, channels).transpose(1, 2)
-        whole = self.n // self.seg  # segments inside the sequence; a last one may be cut short
-        for a, (h, o) in enumerate(zip(head.tolist(), off.tolist())):
-            src = x[:, h]
-            if whole:
-                cut = src.narrow(1, 0, whole * self.seg).view(batch, whole, self.m, self.r, channels)
-                dst[:, a, :whole].copy_(cut[:, :, :, o])
-            if whole < self.nseg:
-                tail = dst[:, a, whole]  # (B, m, C)
-                start = whole * self.seg + o
-                kept = max(0, -(-(self.n - start) // self.r))
-                tail.narrow(1, 0, kept).copy_(src[:, start :: self.r])
-                tail.narrow(1, kept, self.m - kept).fill_(fill)
+        out = x.new_empty(self.gathered_shape(x.shape[0], x.shape[-1], kv=kv, rows=rows), dtype=dtype)
+        for src, dst, past in self._runs(x, out, kv=kv, rows=rows):
+            dst.copy_(src)
+            if past is not None:
+                past.fill_(fill)
         return out
 
-    def accumulate_kv(self, y: torch.Tensor, channels: int, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Adjoint of ``dilate_kv``: sums dilated kv rows back into ``(B, Hkv, n, C)``, added to
-        ``into`` (same shape and dtype as ``y``) if given.
+    def scatter_add(
+        self, total: torch.Tensor, y: torch.Tensor, *, kv: bool = False, rows: bool = False, zero: bool = False
+    ) -> None:
+        """Adds ``y``, rows in ``gather``'s layout, at their positions of ``total (B, H, n, C)``
+        (this layout's kv heads with ``kv``, else its query heads), in place: the adjoint of
+        ``gather``, rows past the sequence dropped. With ``zero``, ``total`` is zeroed first
+        (written, where every position gets one row: rate 1, no padding).
 
-        NOTE: with one dilated kv head per query head (not ``shared_kv``) only ``Hq`` of the
-        ``Hkv * r`` (head, offset) pairs hold rows: they are scattered straight to their
-        positions (into ``into`` when the sequence needs no padding), never through a buffer of
-        every pair, which at rate 64 would be 32 times the rows that exist.
+        Kernel heads add one after another, so two that read the same rows (a kv head serving
+        query heads of one offset) both count (Note [Gradient sums as calls] in ``attention.py``).
         """
-        y = y.view(self.batch, self.nseg, self.kv_heads, self.m, channels)
-        if self.shared_kv:
-            y = self._merge_split(y.view(self.batch, self.nseg, self.hkv, self.r, self.m, channels), self.hkv)
-            return y if into is None else into + y
-        head, off = self._kv_pairs(y.device)
-        seg = torch.arange(self.nseg, device=y.device).view(-1, 1, 1) * self.seg
-        row = torch.arange(self.m, device=y.device).view(1, 1, -1) * self.r
-        rows = (head * self.padded + off).view(1, -1, 1) + seg + row  # (nseg, pairs, m)
-        flat = y.reshape(self.batch, self.nseg * self.kv_heads * self.m, channels)
-        if into is not None and self.padded == self.n:
-            total = into.reshape(self.batch, self.hkv * self.n, channels)
-            return total.index_add(1, rows.flatten(), flat).view(self.batch, self.hkv, self.n, channels)
-        total = y.new_zeros(self.batch, self.hkv * self.padded, channels).index_add(1, rows.flatten(), flat)
-        total = total.view(self.batch, self.hkv, self.padded, channels)[:, :, : self.n]
-        return total if into is None else into + total
+        write = zero and self.r == 1 and self.padded == self.n
+        if zero and not write:
+            total.zero_()
+        for dst, src, _ in self._runs(total, y, kv=kv, rows=rows):
+            dst.copy_(src) if write else dst.add_(src)

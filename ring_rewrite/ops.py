@@ -17,9 +17,11 @@ block the row attends to), it returns this block's exact share of the gradient (
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
-``attention.py``). ``after(x, deps)`` and ``write_heads(total, x, start)`` order the local branches' gradient sums
-(Note [Head chunks of local branches] in ``attention.py``); ``add_rows(total, x, start, rows,
-dtype)`` sums a ring step's gradients (Note [Gradient sums of a ring step] there).
+``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero)`` adds them back,
+in place (Note [Gradient sums as calls] there). ``after(x, deps)`` and ``write_heads(total, x,
+start)`` order the local branches' gradient sums (Note [Head chunks of local branches] there);
+``add_rows(total, x, start, rows, dtype)`` sums a ring step's gradients (Note [Gradient sums of a
+ring step] there).
 
 With ``band = [lo, hi]`` (``BAND_OPEN`` for an open end) and the rows' positions ``qpos (L,)``,
 ``kpos (S,)``, both ops let key ``t`` reach query ``p`` only if ``lo <= kpos[t] - qpos[p] <= hi``
@@ -38,7 +40,7 @@ from .kernels import block_kernel, dropout_backward, dropout_forward
 
 __all__ = [
     "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "documents", "stat_dtype",
-    "write_heads",
+    "undilate_add", "write_heads",
 ]  # fmt: skip
 
 
@@ -265,6 +267,14 @@ def dilate(
 def _(x, layout, kv, rows, fill, dtype):
     shape = BranchLayout(*layout).gathered_shape(x.shape[0], x.shape[-1], kv=kv, rows=rows)
     return x.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("ring_rewrite::undilate_add", mutates_args=("total",))
+def undilate_add(total: torch.Tensor, y: torch.Tensor, layout: list[int], kv: bool, rows: bool, zero: bool) -> None:
+    """``y``, a branch's dilated rows in ``dilate``'s layout (``kv``, ``rows`` as there), added in
+    place at their positions of ``total (B, H, n, C)``; with ``zero``, ``total`` is zeroed first
+    (``BranchLayout.scatter_add``; Note [Gradient sums as calls] in ``attention.py``)."""
+    BranchLayout(*layout).scatter_add(total, y, kv=kv, rows=rows, zero=zero)
 
 
 @torch.library.custom_op("ring_rewrite::documents", mutates_args=())

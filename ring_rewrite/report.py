@@ -6,20 +6,23 @@ Note [Memory of a site]
 What a site holds at once on one rank, as inductor (the default compiler) schedules its forward
 and backward bodies. Three facts of the generated code set it:
 
-* Merges and gradient sums are pointwise, so inductor computes each in one kernel at the end, and
-  every branch's results wait for it: forward, each branch's dilated out and lse until the merge
-  writes ``out``; backward, each branch's dilated dq, dk, dv until one kernel writes their sum
-  (``accumulate_kv``'s index_add too) into the site's dq, dk, dv. Within a ring the same holds
-  for a head chunk: the out of every block of every step waits for its last step (a ring's dq
-  and dK/dV are summed block by block instead, ``ops.add_rows``: Note [Gradient sums of a ring
-  step] in ``attention.py``). Where
-  the local branches' backward runs in ``C`` head chunks (Note [Head chunks of local branches]
-  in ``attention.py``), the site's dq, dk, dv exist from the first chunk on, and only one
-  chunk's gradients of every local branch wait for its sums.
+* The forward's merge is pointwise, so inductor computes it in one kernel at the end, and every
+  branch's dilated out and lse wait for it; within a ring the same holds for a head chunk: the
+  out of every block of every step waits for its last step. The backward's gradients are added
+  to the site's sums in place, branch by branch (``ops.undilate_add``, Note [Gradient sums as
+  calls] in ``attention.py``): a branch's dilated dq, dk, dv are gone once added. The sums, in
+  ``stat_dtype``, exist from the first branch that adds to them on (a lone rate-1 branch's
+  gradients are the sums themselves). A ring's dq and dK/dV are summed block by block
+  (``ops.add_rows``: Note [Gradient sums of a ring step] there) and wait, dilated, for the local
+  branches: its dq joins their sums, its dK/dV are added once home. Where the local branches'
+  backward runs in ``C`` head chunks (Note [Head chunks of local branches] there), the site's
+  dq, dk, dv exist from the first chunk on, and each chunk sums into buffers of its own heads
+  (the rings' dq of those heads too), written into the site's once done.
 * Ring branches run first and in order (the token chains their transfers). Local branches need
-  no token and come after them, in an order inductor picks for a low peak (``memory.py``'s
-  ``reorder_for_peak_memory``), counted here as the order that holds least: the largest working
-  set first. A branch runs holding the results of those before it.
+  no token and come after them; forward, in an order inductor picks for a low peak
+  (``memory.py``'s ``reorder_for_peak_memory``), counted here as the order that holds least: the
+  largest working set first. A branch runs holding the results of those before it. Backward,
+  the sums order them as the plan does.
 * The CPU flash kernel returns a block's dq, dk, dv in its own layout, and ``_cpu_backward``
   copies them contiguous one at a time: the block's gradients plus the largest of them. With
   dropout, query rows go ``DROPOUT_CHUNK`` scores at a time, and two chunks' scores,
@@ -29,18 +32,19 @@ and backward bodies. Three facts of the generated code set it:
 
 So the backward peak is ``saved`` plus the largest of
 
-* a ring branch running: the earlier rings' gradients, its head chunks done, its dilated copies
-  (q, dout, out, lse, K/V at r > 1, gathered once: Note [Rows of a ring branch] in
-  ``attention.py``) and one chunk's buffers: K/V held and arriving, the dK/dV share kept home, the
-  accumulator that arrived and the next, the dq sum and its next copy, the largest block's
-  kernel gradients and scratch;
-* a local branch running: the gradients of those before it and its own, its dilated copies
-  (the same, K/V in the compute dtype) and its kernel's scratch;
-* the sum: every branch's gradients and the site's dq, dk, dv (none new when a lone rate-1
-  branch's gradients are already the site's);
-* with local head chunks, in place of the last two: the rings' gradients, the site's dq, dk, dv
-  (dk, dv in ``stat_dtype`` where rings add to them last), and ``1 / C`` of what the local
-  branches hold running in order and then summing, one sum at a time;
+* a ring branch running: the earlier rings' gradients, its head chunks done,
+  its dilated copies (q, dout, out, lse, K/V at r > 1, gathered once: Note [Rows of a ring
+  branch] in ``attention.py``) and one chunk's buffers: K/V held and arriving, the dK/dV share
+  kept home, the accumulator that arrived and the next, the dq sum and its next copy, the
+  largest block's kernel gradients and scratch;
+* a local branch running: the rings' gradients, the sums so far, its dilated copies (the same,
+  K/V in the compute dtype), its kernel's gradients and scratch;
+* a branch's gradients being added: the sums (the new ones too) beside them;
+* with local head chunks, in place of the local branches: the rings' gradients, the site's
+  dq, dk, dv (dk, dv in ``stat_dtype`` where rings add to them last), a chunk's sums and
+  ``1 / C`` of one local branch running;
+* the casts at the end, where the sums are wider than the inputs: the sums and the gradients
+  cast so far;
 * in replicated mode, the gathers: the whole output (which the caller holds through the
   backward), the whole gradients, and the received and stacked shards of the one being gathered.
 
@@ -338,28 +342,64 @@ def _forward_peak(plan: SitePlan) -> int:
     return peak
 
 
+def _sums_are_views(plan: SitePlan, branch) -> bool:
+    """Whether ``branch``'s gradients become the site's sums as they are, where it is the first
+    to reach them (``_undilate_add`` in ``attention.py``: rate 1, no padding, one segment or a
+    ring's rows, already in ``stat_dtype``)."""
+    layout = branch.layout
+    dtype = plan.stat_dtype if not branch.is_local else plan.compute_dtype
+    one_piece = not branch.is_local or layout.nseg == 1
+    return layout.r == 1 and layout.padded == layout.n and one_piece and dtype == plan.stat_dtype
+
+
 def _backward_peak(plan: SitePlan) -> int:
-    item = _itemsize(plan.dtype)
+    item, _, stat = _itemsizes(plan)
     out, lse = _site_out(plan)
     rows, kv_rows = plan.batch * plan.hq * plan.n_local, plan.batch * plan.hkv * plan.n_local
     grads = [rows * plan.d * item, kv_rows * plan.d * item, kv_rows * plan.dv * item]
-    chunks = len(plan.local_chunks())
+    sums = [g * stat // item for g in grads]
+    rings = [b for b in plan.branches if not b.is_local]
+    local = [b for b in plan.branches if b.is_local]
+    peak = held = 0  # held: the rings' gradients, waiting for the local branches
+    have = [0, 0, 0]  # the site's dq, dk, dv sums so far
+
+    def add(result: int, parts: list[int], view: bool) -> None:
+        """A branch's gradients (``result``) added into the sums of ``parts``; a sum that does
+        not exist yet is new, or with ``view`` the branch's gradient itself."""
+        nonlocal peak
+        fresh = 0 if view else sum(sums[j] for j in parts if not have[j])
+        peak = max(peak, held + sum(have) + result + fresh)
+        for j in parts:
+            have[j] = sums[j]
+
+    for branch in rings:
+        chunks = plan.head_chunks(branch)
+        result = _branch_grads(plan, branch)
+        work = _copies(plan, branch, True) + _ring_chunk(plan, branch, True) // chunks
+        peak = max(peak, held + result * (chunks - 1) // chunks + work)
+        held += result
+    chunks = len(plan.local_chunks()) if local else 1
     if chunks == 1:
-        peak, held = _branches_peak(plan, _branch_grads, backward=True)
-        peak = max(peak, held + (0 if _in_place(plan) else sum(grads)))
+        for branch in local:
+            result = _branch_grads(plan, branch)
+            peak = max(peak, held + sum(have) + result + _local_work(plan, branch, True))
+            add(result, [0, 1, 2], _sums_are_views(plan, branch))
+        if rings:  # their dq, then once home their dK/dV
+            add(0, [0], _sums_are_views(plan, rings[0]))
+            add(0, [1, 2], _sums_are_views(plan, rings[0]))
+        if stat != item:  # the casts, one after another
+            peak = max(peak, *(sum(sums[j:]) + sum(grads[: j + 1]) for j in range(3)))
     else:
-        # Local branches in head chunks: the site's gradients from the first chunk on (dK/dV in
-        # stat_dtype while the rings' last hops are to come), one chunk's gradients of every local
-        # branch and one branch's work on that chunk; at the end dK/dV cast, if they were wider.
-        peak, held = _rings_peak(plan, _branch_grads, backward=True)
-        rings = any(not b.is_local for b in plan.branches)
+        # The site's gradients from the first chunk on (dK/dV in stat_dtype while the rings'
+        # last hops are to come); a chunk's sums and one local branch's share of the chunk; the
+        # chunk's sums cast to the site's dtype, one at a time.
         dkv = grads[1] + grads[2]
-        sums = grads[0] + (dkv * _itemsize(plan.stat_dtype) // item if rings else dkv)
-        # Within a chunk, the branches as a whole site's, then the chunk's sums, one at a time.
-        chunk, done = _locals_peak(plan, _branch_grads, backward=True)
-        chunk = max(chunk, done + max(grads) * _itemsize(plan.stat_dtype) // item)
-        peak = max(peak, held + sums + chunk // chunks)
-        peak = max(peak, held + sums + (dkv if rings and plan.stat_dtype != plan.dtype else 0))
+        totals = grads[0] + (dkv * stat // item if rings else dkv)
+        chunk = sum(sums)
+        work = max(_branch_grads(plan, b) + _local_work(plan, b, True) for b in local)
+        cast = max(grads) if stat != item else 0
+        peak = max(peak, held + totals + (chunk + max(work, cast)) // chunks)
+        peak = max(peak, held + totals + (dkv if rings and stat != item else 0))
     if plan.gathers:  # the whole out (the caller's) and gradients; received and stacked shards
         peak = max(peak, plan.world * (out + sum(grads)) + 2 * plan.world * max(grads))
     return out + lse + peak

@@ -134,31 +134,6 @@ def test_dilate_kv_rows(params):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("params", GRID, ids=IDS)
-def test_accumulate_kv_is_adjoint_of_dilate_kv(params):
-    layout = _layout(params)
-    _, _, n, batch, _, hkv = params
-    x = torch.randn(batch, hkv, n, C, dtype=torch.float64)
-    y = torch.randn(batch * layout.nseg, layout.kv_heads, layout.m, C, dtype=torch.float64)
-    acc = layout.accumulate_kv(y, C)
-    assert acc.shape == x.shape
-    lhs = (layout.dilate_kv(x) * y).sum()
-    rhs = (x * acc).sum()
-    torch.testing.assert_close(lhs, rhs, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("params", GRID, ids=IDS)
-def test_accumulate_kv_into_adds_to_it(params):
-    """Scattered straight into a running total (the backward's dK/dV of earlier branches), the
-    sum is that total plus the adjoint."""
-    layout = _layout(params)
-    _, _, n, batch, _, hkv = params
-    total = torch.randn(batch, hkv, n, C, dtype=torch.float64)
-    y = torch.randn(batch * layout.nseg, layout.kv_heads, layout.m, C, dtype=torch.float64)
-    got = layout.accumulate_kv(y, C, into=total.clone())
-    torch.testing.assert_close(got, total + layout.accumulate_kv(y, C), rtol=1e-12, atol=1e-12)
-
-
 @pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("params", GRID, ids=IDS)
 def test_gather_is_the_dilation_in_a_buffer_of_its_own(params, rows):
@@ -178,3 +153,33 @@ def test_gather_is_the_dilation_in_a_buffer_of_its_own(params, rows):
                 got = layout.gather(x, kv=kv, rows=rows, fill=fill, dtype=torch.float64)
                 assert got.dtype == torch.float64 and got.is_contiguous()
                 assert torch.equal(got, want.double())
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("params", GRID, ids=IDS)
+def test_scatter_add_is_the_adjoint_of_gather(params, rows):
+    """``scatter_add`` (what ``ops.undilate_add`` runs) puts each dilated row back where
+    ``gather`` took it, adding: ``<gather(x), y> == <x, scatter_add(0, y)>`` for query and kv
+    rows, whole or a slice of the heads; it adds to a running total, and with ``zero`` ignores
+    what the total held; for query rows it is ``undilate_q``."""
+    whole = _layout(params)
+    g = whole.g
+    for layout in (whole, whole.heads(g, whole.hq) if whole.hkv > 1 else whole):
+        batch = layout.batch
+        for kv in (False, True):
+            heads = layout.hkv if kv else layout.hq
+            x = torch.randn(batch, heads, layout.n, C, dtype=torch.float64)
+            y = torch.randn(layout.gathered_shape(batch, C, kv=kv, rows=rows), dtype=torch.float64)
+            adjoint = torch.zeros_like(x)
+            layout.scatter_add(adjoint, y, kv=kv, rows=rows)
+            lhs = (layout.gather(x, kv=kv, rows=rows) * y).sum()
+            torch.testing.assert_close(lhs, (x * adjoint).sum(), rtol=1e-12, atol=1e-12)
+
+            total = torch.randn_like(x)
+            got = total.clone()
+            layout.scatter_add(got, y, kv=kv, rows=rows)
+            torch.testing.assert_close(got, total + adjoint, rtol=1e-12, atol=1e-12)
+            layout.scatter_add(total, y, kv=kv, rows=rows, zero=True)
+            assert torch.equal(total, adjoint)
+            if not kv and not rows:
+                assert torch.equal(adjoint, layout.undilate_q(y))

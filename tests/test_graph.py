@@ -200,21 +200,12 @@ class GraphModule(torch.nn.Module):
                 getitem_4 = block_attention_backward[0]
                 getitem_5 = block_attention_backward[1]
                 getitem_6 = block_attention_backward[2];  block_attention_backward = None
-                view_6 = getitem_4.view(1, 1, 2, 8, -1);  getitem_4 = None
-                unsqueeze_1 = view_6.unsqueeze(3);  view_6 = None
-                permute_6 = unsqueeze_1.permute(0, 2, 1, 4, 3, 5);  unsqueeze_1 = None
-                reshape_6 = permute_6.reshape(1, 2, 8, -1);  permute_6 = None
-                view_7 = getitem_5.view(1, 1, 2, 8, 4);  getitem_5 = None
-                view_8 = view_7.view(1, 1, 2, 1, 8, 4);  view_7 = None
-                permute_7 = view_8.permute(0, 2, 1, 4, 3, 5);  view_8 = None
-                reshape_7 = permute_7.reshape(1, 2, 8, -1);  permute_7 = None
-                view_9 = getitem_6.view(1, 1, 2, 8, 4);  getitem_6 = None
-                view_10 = view_9.view(1, 1, 2, 1, 8, 4);  view_9 = None
-                permute_8 = view_10.permute(0, 2, 1, 4, 3, 5);  view_10 = None
-                reshape_8 = permute_8.reshape(1, 2, 8, -1);  permute_8 = None
-                to = reshape_6.to(torch.float32);  reshape_6 = None
-                to_1 = reshape_7.to(torch.float32);  reshape_7 = None
-                to_2 = reshape_8.to(torch.float32);  reshape_8 = None
+                view_6 = getitem_4.view(1, 2, 8, -1);  getitem_4 = None
+                view_7 = getitem_5.view(1, 2, 8, -1);  getitem_5 = None
+                view_8 = getitem_6.view(1, 2, 8, -1);  getitem_6 = None
+                to = view_6.to(torch.float32);  view_6 = None
+                to_1 = view_7.to(torch.float32);  view_7 = None
+                to_2 = view_8.to(torch.float32);  view_8 = None
                 return (to, to_1, to_2)
 """
 

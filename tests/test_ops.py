@@ -1,5 +1,6 @@
 """The ``ring_rewrite`` custom ops: ``block_attention`` and ``block_attention_backward``, and the
-ones that order and add a site's gradient sums (``after``, ``write_heads``, ``add_rows``).
+ones that order and add a site's gradient sums (``after``, ``write_heads``, ``add_rows``,
+``undilate_add``).
 
 Checked against a dense float64 computation of one block of attention: softmax and log-sum-exp
 of ``scale * q k^T + bias`` with top-left causal masking and GQA by head groups; a row whose every
@@ -148,6 +149,24 @@ def test_dilate_is_the_layouts_gather():
     assert torch.equal(got, layout.dilate_kv(k))
     torch.library.opcheck(torch.ops.ring_rewrite.dilate, (x, fields, False, True, 0.0, torch.float32))
     torch.library.opcheck(torch.ops.ring_rewrite.dilate, (k, fields, True, False, 0.0, torch.float64))
+
+
+def test_undilate_add_is_the_layouts_scatter_add_in_place():
+    from ring_rewrite.dilation import BranchLayout
+
+    fields = [8, 4, 20, 2, 4, 2, 2]  # w, r, n (not a multiple of w), batch, hq, hkv, head0
+    layout = BranchLayout(*fields)
+    for kv, rows in ((False, True), (True, False)):
+        heads = layout.hkv if kv else layout.hq
+        y = torch.randn(layout.gathered_shape(2, 5, kv=kv, rows=rows))
+        total = torch.randn(2, heads, 20, 5, dtype=torch.float64)
+        for zero in (False, True):
+            want = torch.zeros_like(total) if zero else total.clone()
+            layout.scatter_add(want, y, kv=kv, rows=rows)
+            torch.ops.ring_rewrite.undilate_add(total, y, fields, kv, rows, zero)
+            assert torch.equal(total, want)
+            args = (torch.randn(2, heads, 20, 5), y, fields, kv, rows, zero)
+            torch.library.opcheck(torch.ops.ring_rewrite.undilate_add, args)
 
 
 # ---- forward -----------------------------------------------------------------------------------

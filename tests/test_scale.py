@@ -81,17 +81,21 @@ def test_a_config_the_shards_cannot_carry_raises():
         ring_rewrite.plan(4096, 64, heads=4, head_dim=16, segment_lengths=[16, 4096], dilation_rates=[1, 64])
 
 
-def test_memory_of_branches_waiting_for_their_sum():
-    """Two local branches at P = 1 (Note [Memory of a site]): inductor sums the branches'
-    gradients in one kernel at the end, so the backward peak is the saved out and lse, both
-    branches' dilated dq, dk, dv (rate 2 halves the rows) and the site's dq, dk, dv."""
+def test_memory_of_branches_summed_in_place():
+    """Two local branches at P = 1 (Note [Memory of a site]): each branch's gradients are added
+    to the site's sums once computed, so the backward peak is the saved out and lse, the sums
+    (dq, dk, dv in float32) and the second branch running: at rate 2 its dilated copies (q, dout,
+    out at half the rows, their lse, and K/V per query head: kv rows as many as q rows), its
+    dq, dk, dv and its kernel's scratch (the largest gradient, beside its contiguous copy)."""
     site = ring_rewrite.plan(
         64, 1, heads=2, head_dim=8, dtype=torch.float32, device="cpu", segment_lengths=[16, 64],
         dilation_rates=[1, 2],
     ).site  # fmt: skip
     q = 2 * 64 * 8 * 4  # bytes of q, and of out, dq, dk, dv
     saved = q + 2 * 64 * 4
-    assert attention_memory_bytes(site) == {"saved": saved, "peak": saved + 3 * q + 3 * q // 2 + 3 * q}
+    half = q // 2  # one q-sized tensor at rate 2
+    copies = 3 * half + 2 * 32 * 4 + 2 * half
+    assert attention_memory_bytes(site) == {"saved": saved, "peak": saved + 3 * q + 3 * half + copies + half}
 
 
 def test_memory_of_a_lone_rate_one_branch():
