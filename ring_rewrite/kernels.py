@@ -46,6 +46,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernel
+
 __all__ = [
     "BlockKernel", "KERNELS", "block_kernel", "unsupported_reason", "dropout_forward", "dropout_backward",
 ]  # fmt: skip
@@ -78,11 +80,14 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
-# ---- CPU: the flash kernel -----------------------------------------------------------------
+# ---- CPU: ours for float32 blocks without a bias (Note [The CPU block kernel] in cpu_kernel.py),
+# ---- aten's flash kernel for the rest -----------------------------------------------------
 
 
 def _cpu_forward(q, k, v, bias, scale, is_causal):
-    # NOTE: the CPU flash kernel needs one head size for q, k and v: the smaller gets zeros.
+    if cpu_kernel.serves(q, k, v, bias=bias):
+        return cpu_kernel.forward(q, k, v, scale, is_causal)
+    # NOTE: aten's CPU flash kernel needs one head size for q, k and v: the smaller gets zeros.
     dv, size = v.shape[-1], max(q.shape[-1], v.shape[-1])
     q, k, v = (_pad_last(_unit_stride(x), size) for x in (q, k, v))
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -92,6 +97,8 @@ def _cpu_forward(q, k, v, bias, scale, is_causal):
 
 
 def _cpu_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+    if cpu_kernel.serves(dout, q, k, v, out, lse, bias=bias):
+        return cpu_kernel.backward(dout, q, k, v, out, lse, scale, is_causal)
     channels = (q.shape[-1], k.shape[-1], v.shape[-1])
     size = max(q.shape[-1], v.shape[-1])
     q, k, v, dout, out = (_pad_last(_unit_stride(x), size) for x in (q, k, v, dout, out))

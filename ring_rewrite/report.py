@@ -23,8 +23,9 @@ and backward bodies. Three facts of the generated code set it:
   (``memory.py``'s ``reorder_for_peak_memory``), counted here as the order that holds least: the
   largest working set first. A branch runs holding the results of those before it. Backward,
   the sums order them as the plan does.
-* The CPU flash kernel returns a block's dq, dk, dv in its own layout, and ``_cpu_backward``
-  copies them contiguous one at a time: the block's gradients plus the largest of them. With
+* aten's kernels return a block's dq, dk, dv in their own layout, and ``kernels.py`` copies
+  them contiguous one at a time: the block's gradients plus the largest of them (not for
+  float32 CPU blocks without a bias: ``cpu_kernel.py`` writes them contiguous). With
   dropout, query rows go ``DROPOUT_CHUNK`` scores at a time, and two chunks' scores,
   probabilities and masks overlap (``kernels.py``); with a band or documents, two chunks' masks
   and one chunk's position differences (``BAND_CHUNK`` pairs) come on top, and the row chunks'
@@ -48,10 +49,10 @@ So the backward peak is ``saved`` plus the largest of
 * in replicated mode, the gathers: the whole output (which the caller holds through the
   backward), the whole gradients, and the received and stacked shards of the one being gathered.
 
-The forward peak is the same with outs for gradients. Not counted: the flash kernel's per-thread
-tiles (about 1 MiB a thread), what the allocator keeps after frees (small tensors in glibc's
-heap), and the CUDA kernel's own workspace (the CPU kernel's scratch stands in for it, Note [The
-CUDA entry's tests] in ``kernels.py``). ``benchmarks/ring_memory.py`` and
+The forward peak is the same with outs for gradients. Not counted: the block kernel's per-thread
+tiles (128 KiB a thread for ours, about 1 MiB for aten's), what the allocator keeps after frees
+(small tensors in glibc's heap), and the CUDA kernel's own workspace (the CPU kernel's scratch
+stands in for it, Note [The CUDA entry's tests] in ``kernels.py``). ``benchmarks/ring_memory.py`` and
 ``benchmarks/scale.py`` print the estimate beside the measured peaks.
 """
 
@@ -212,6 +213,14 @@ def _branch_grads(plan: SitePlan, branch) -> int:
     return (q_rows * plan.d + dkv + landing) * stat
 
 
+def _copies_gradients(plan: SitePlan, branch) -> bool:
+    """Whether a block of ``branch`` runs a kernel whose gradients are copied contiguous: all
+    but ``cpu_kernel``'s float32 blocks without a bias (and the dropout path's own)."""
+    biased = plan.needs_bias(branch) or plan.band is not None or plan.documents
+    ours = plan.device == "cpu" and plan.compute_dtype == torch.float32 and not biased
+    return plan.dropout or not ours
+
+
 def _block_extra(
     plan: SitePlan, branch, rows: tuple[int, int], lengths: tuple[int, int], backward: bool
 ) -> int:
@@ -220,8 +229,10 @@ def _block_extra(
     _, compute, stat = _itemsizes(plan)
     d, dv = plan.d, plan.dv
     (q_rows, kv_rows), (length, keys) = rows, lengths
-    # The kernel's gradients, one of them beside its contiguous copy.
-    extra = max(q_rows * d, kv_rows * d, kv_rows * dv) * compute if backward else 0
+    # aten's kernels return the gradients in a layout of their own: one beside its contiguous
+    # copy. Ours writes them contiguous (Note [The CPU block kernel] in cpu_kernel.py).
+    copied = backward and _copies_gradients(plan, branch)
+    extra = max(q_rows * d, kv_rows * d, kv_rows * dv) * compute if copied else 0
     scores = q_rows // length * keys  # of one query row, over every head and batch
     if plan.band is not None or plan.documents:
         chunk = min(length, max(1, BAND_CHUNK // scores))

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = {
-    "attention", "config", "decode", "dilation", "kernels", "layout", "merge", "ops", "p2p",
+    "attention", "config", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "ops", "p2p",
     "reference", "roles", "schedule",
 }  # fmt: skip
 FRONT = {"__init__", "backend", "recompiles", "report", "scale", "testing", "pytest_plugin"}

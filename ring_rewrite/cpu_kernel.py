@@ -1,0 +1,148 @@
+"""The CPU block kernel: ``csrc/flash_cpu.c``, built on first use, called through ctypes.
+
+Note [The CPU block kernel]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every block of a dilated site is a causal square of ``w / r`` rows (2048 in the LongNet
+configs of ``benchmarks/``). aten's CPU flash kernel tiles queries by 256 rows and keys by 512
+and, causal, runs each query tile's last key tile to its end: on a 2048-row block it computes a
+quarter more pairs than the useful ones, and its share of ``torch.mm``'s rate falls from 93 %
+on a full square to 65 to 75 % on the causal one (fwd + bwd, this machine). Blocks shorter than
+768 rows fare worse (its 64-row tiles still run 512 keys: a causal 512 square runs at 30 %).
+``flash_cpu.c`` is the same algorithm with 64-row query tiles that stop at their last row's
+diagonal: 97 to 100 % of ``torch.mm`` on the 2048-row causal blocks, as fast as aten's on full
+squares. Its products are MKL's ``sgemm`` (torch's own, the address taken from
+``libtorch_cpu``), its threads torch's OpenMP runtime at ``torch.get_num_threads()``. It
+writes ``out``, ``dq``, ``dk`` and ``dv`` contiguous (aten's come in its own layout, and were
+copied), reads GQA's kv heads in place and takes ``d != dv`` as they are.
+
+It serves float32 blocks without a bias (``serves``): causal or full, which is every block of
+a site without a key mask, padding or band. The rest (float64, a bias) runs aten's kernel, as
+does everything where no C compiler builds the library (a warning says why, once).
+
+The library is built with the C compiler inductor's CPU code needs anyway (``$CC``, else
+``cc``), about half a second, into ``ring_rewrite/`` under inductor's cache directory, named by
+a hash of the source, the flags and this machine's CPU flags (``-march=native``); ranks
+building at once each write their own file and rename it into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import torch
+
+__all__ = ["serves", "forward", "backward"]
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "flash_cpu.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
+_INT_MAX = 2**31 - 1  # sgemm's leading dimensions are ints
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc)")
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_flags().encode()]))
+    folder = os.path.join(cache_dir(), "ring_rewrite")
+    path = os.path.join(folder, f"flash_cpu_{key.hexdigest()[:16]}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        run = subprocess.run([compiler, *_FLAGS, _SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"{compiler} failed on {_SOURCE}:\n{run.stderr.strip()}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built library, or None (with a warning) where it cannot be built."""
+    try:
+        lib = ctypes.CDLL(_build())
+        blas = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        lib.rr_set_sgemm(ctypes.cast(blas.sgemm_, ctypes.c_void_p))
+    except (OSError, RuntimeError, AttributeError) as e:
+        warnings.warn(f"ring_rewrite: the CPU block kernel is not available ({e}); blocks run aten's flash kernel")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.rr_flash_forward.argtypes = [ptr] * 8 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rr_flash_backward.argtypes = [ptr] * 15 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def serves(*tensors: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``flash_cpu.c`` runs this block: float32 on CPU, no bias, and every row stride
+    within an int. Builds the library on the first call that would use it."""
+    if bias is not None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return False
+    if any(t.numel() == 0 or (t.dim() == 4 and t.stride(2) > _INT_MAX) for t in tensors):
+        return False
+    return _library() is not None
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: torch.Tensor) -> ctypes.Array:
+    return (ctypes.c_int64 * 3)(*x.stride()[:3])
+
+
+def _sizes(q, k, v) -> list[int]:
+    (b, hq, length, d), (hkv, keys), dv = q.shape, k.shape[1:3], v.shape[-1]
+    return [b, hq, hkv, length, keys, d, dv]
+
+
+def forward(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one block: ``out (B, Hq, L, Dv)`` contiguous, ``lse (B, Hq, L)``."""
+    q, k, v = (_unit_stride(x) for x in (q, k, v))
+    b, hq, _, length, _, _, dv = sizes = _sizes(q, k, v)
+    out = q.new_empty((b, hq, length, dv))
+    lse = q.new_empty((b, hq, length))
+    _library().rr_flash_forward(
+        q.data_ptr(), _strides(q), k.data_ptr(), _strides(k), v.data_ptr(), _strides(v),
+        out.data_ptr(), lse.data_ptr(), *sizes, scale, is_causal, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, scale: float, is_causal: bool):
+    """This block's ``dq, dk, dv``, contiguous, from the merged ``out`` and ``lse`` (``+inf``
+    where a row has nothing to attend)."""
+    dout, q, k, v, out, lse = (_unit_stride(x) for x in (dout, q, k, v, out, lse))
+    dq = torch.empty(q.shape, dtype=q.dtype)
+    dk = torch.empty(k.shape, dtype=k.dtype)
+    dv = torch.empty(v.shape, dtype=v.dtype)
+    tensors = (dout, q, k, v, out, lse)
+    _library().rr_flash_backward(
+        *(a for t in tensors for a in (t.data_ptr(), _strides(t))),
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *_sizes(q, k, v), scale, is_causal,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return dq, dk, dv
