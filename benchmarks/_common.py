@@ -39,17 +39,22 @@ REFERENCE_SCORES = 256 * MIB  # bytes of one (B, H, query_chunk, N) float64 bloc
 # ---- time ------------------------------------------------------------------------------------
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> dict[str, Any]:
-    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+def median_time(
+    fn: Callable[[], Any], repeats: int, warmup: int = 1, between: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """Median wall time of ``fn()`` over ``repeats`` calls after ``warmup`` calls; with
+    ``between``, what it returns before each timed call (untimed) under ``"between"``."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, seen = [], []
     for _ in range(repeats):
+        if between is not None:
+            seen.append(between())
         gc.collect()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "times_s": times}
+    return {"median_s": statistics.median(times), "times_s": times, "between": seen}
 
 
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:

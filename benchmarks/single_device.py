@@ -23,8 +23,12 @@ reference_attention`` (the dilated config for ``ours`` and ``eager``, exact atte
 
 Useful GFLOP/s count the query-key pairs each function connects (``4 * D`` FLOPs per pair forward,
 2.5x that backward, the FlashAttention convention), and are compared with ``torch.mm``'s rate in
-the same process and thread count. Peak memory: the rise of the process's peak RSS over its RSS
-before one forward + backward step (inputs excluded).
+the same process and thread count, measured before each timed step (``mm GFLOP/s``: the median
+over the steps of ours; this machine's rate moves by 10 % and more between minutes). Peak memory: the rise of the CPU allocator's live
+total over its level before one forward + backward step (``_common.allocated_peak``: what the
+report's estimate counts; inputs excluded). Timings run with glibc's default allocation
+settings, as a user's process does (no ``malloc_setup``: serving every buffer from fresh pages
+made some steps a quarter slower).
 
     python benchmarks/single_device.py                 # N = 4k .. 256k, about 25 minutes on 2 cores
     python benchmarks/single_device.py --quick         # N = 4k, 8k: a smoke run
@@ -34,6 +38,7 @@ before one forward + backward step (inputs excluded).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -122,12 +127,14 @@ def inputs(n: int) -> tuple[torch.Tensor, ...]:
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad_out
 
 
-def measure(fn: Callable, n: int, repeats: int, measure_memory: bool) -> dict:
+def measure(fn: Callable, n: int, repeats: int) -> dict:
     q, k, v, grad_out = inputs(n)
-    timing = _common.median_time(lambda: _step(fn, q, k, v, grad_out), repeats, warmup=1)
+    # torch.mm's rate before each timed step: the peak the step's FLOP/s are compared with.
+    mm = lambda: _common.matmul_gflops(repeats=3)  # noqa: E731
+    timing = _common.median_time(lambda: _step(fn, q, k, v, grad_out), repeats, warmup=1, between=mm)
     result = {"fwd_bwd_s": timing["median_s"], "times_s": timing["times_s"]}
-    if measure_memory:
-        result["peak_bytes"] = _common.peak_increase(lambda: _step(fn, q, k, v, grad_out))
+    result["mm_gflops"] = statistics.median(timing["between"])
+    result["peak_bytes"] = _common.allocated_peak(lambda: _step(fn, q, k, v, grad_out))
     return result
 
 
@@ -190,14 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(opts.threads)
     # One graph per N and config (the rewrite specialises on the sequence length).
     torch._dynamo.config.recompile_limit = max(8, 2 * len(opts.seq) + 2)
-    memory = _common.can_measure_memory() and _common.malloc_setup()
     causal = opts.causal
     machine = _common.machine(opts.threads)
     peak = _common.matmul_gflops()
     print(
         f"q, k, v ({BATCH}, {HEADS}, N, {HEAD_DIM}) float32, {'causal' if causal else 'not causal'}, "
         f"forward + backward, {opts.threads} threads, median of {opts.repeats} after a warm-up\n"
-        f"dilated config: segments {SEGMENTS}, rates {RATES}; torch.mm peak here: {peak:.0f} GFLOP/s\n",
+        f"dilated config: segments {SEGMENTS}, rates {RATES}; torch.mm here: {peak:.0f} GFLOP/s (again before each step)\n",
         flush=True,
     )
 
@@ -228,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (fn, limit) in impls.items():
             if limit is not None and n > limit:
                 continue
-            got[name] = measure(fn, n, opts.repeats, memory)
+            got[name] = measure(fn, n, opts.repeats)
             pairs = connected_pairs(n, None if name in ("dense", "ours exact") else SEGMENTS, RATES, causal)
             got[name]["gflops"] = fwd_bwd_flops(pairs) / got[name]["fwd_bwd_s"] / 1e9
             raw.append({"N": n, "impl": name, "pairs_per_head": pairs, **got[name]})
@@ -244,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             "dense / ours": ratio("dense", "ours"),
             "ours exact / dense": ratio("ours exact", "dense"),
             "ours GFLOP/s": got["ours"]["gflops"],
-            "ours % mm": 100 * got["ours"]["gflops"] / peak,
-            "dense % mm": 100 * got["dense"]["gflops"] / peak if "dense" in got else None,
+            "mm GFLOP/s": got["ours"]["mm_gflops"],
+            "ours % mm": 100 * got["ours"]["gflops"] / got["ours"]["mm_gflops"],
+            "dense % mm": 100 * got["dense"]["gflops"] / got["dense"]["mm_gflops"] if "dense" in got else None,
             "ours s / 16k tokens": got["ours"]["fwd_bwd_s"] * 16384 / n,
             "ours MiB": got["ours"].get("peak_bytes", 0) / _common.MIB or None,
             "ours q-sized": got["ours"].get("peak_bytes", 0) / (BATCH * HEADS * n * HEAD_DIM * 4) or None,
@@ -269,12 +276,12 @@ def main(argv: list[str] | None = None) -> int:
                   "check": {"N": n_check, "why": "the smallest N timed (each N compiles its own graph)",
                             "reference": "ring_rewrite.reference.reference_attention, float64",
                             "tolerance": _common.TOLERANCE, "rel_err": errors},
-                  "memory": "VmHWM increase over VmRSS before one forward+backward" if memory else None},
+                  "memory": "allocator's peak over its level before one forward+backward (torch.profiler)"},
         "targets": [{"line": line, "met": met} for line, met in targets.items()],
         "rows": rows,
         "raw": raw,
     })  # fmt: skip
-    _plot(rows, peak, opts.out.with_suffix(".png"))
+    _plot(rows, opts.out.with_suffix(".png"))
     return 0
 
 
@@ -303,7 +310,7 @@ def _targets(rows: list[dict]) -> dict[str, bool | None]:
     }  # fmt: skip
 
 
-def _plot(rows: list[dict], peak: float, path) -> None:
+def _plot(rows: list[dict], path) -> None:
     plt = _common.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for key, style in (("ours s", "o-"), ("eager s", "s--"), ("dense s", "^:"), ("ours exact s", "v-.")):
@@ -316,7 +323,7 @@ def _plot(rows: list[dict], peak: float, path) -> None:
         pts = [(row["N"], row[key]) for row in rows if row[key] is not None]
         if pts:
             right.plot(*zip(*pts), "o-", label=key.replace(" % mm", ""))
-    right.set(xscale="log", xlabel="N", ylabel="% of torch.mm", title=f"useful FLOP/s (mm: {peak:.0f} GFLOP/s)")
+    right.set(xscale="log", xlabel="N", ylabel="% of torch.mm", title="useful FLOP/s against torch.mm at each N")
     right.legend()
     _common.save_plot(fig, path)
 

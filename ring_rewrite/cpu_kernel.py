@@ -91,8 +91,8 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"ring_rewrite: the CPU block kernel is not available ({e}); blocks run aten's flash kernel")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rr_flash_forward.argtypes = [ptr] * 8 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.rr_flash_backward.argtypes = [ptr] * 15 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rr_flash_forward.argtypes = [ptr] * 8 + [i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rr_flash_backward.argtypes = [ptr] * 15 + [i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -114,15 +114,22 @@ def _strides(x: torch.Tensor) -> ctypes.Array:
     return (ctypes.c_int64 * 3)(*x.stride()[:3])
 
 
+def query_tile(length: int) -> int:
+    """Query rows a tile: a 32nd of the block, from 64 to 256 rows. A causal tile computes half
+    its square past the diagonal (about 3 % of a causal block's pairs so); a long block's tiles
+    are long, so that each streams the keys (and, backward, their gradients) fewer times."""
+    return min(256, max(64, length // 32))
+
+
 def _sizes(q, k, v) -> list[int]:
     (b, hq, length, d), (hkv, keys), dv = q.shape, k.shape[1:3], v.shape[-1]
-    return [b, hq, hkv, length, keys, d, dv]
+    return [b, hq, hkv, length, keys, d, dv, query_tile(length)]
 
 
 def forward(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block: ``out (B, Hq, L, Dv)`` contiguous, ``lse (B, Hq, L)``."""
     q, k, v = (_unit_stride(x) for x in (q, k, v))
-    b, hq, _, length, _, _, dv = sizes = _sizes(q, k, v)
+    b, hq, _, length, _, _, dv, _ = sizes = _sizes(q, k, v)
     out = q.new_empty((b, hq, length, dv))
     lse = q.new_empty((b, hq, length))
     _library().rr_flash_forward(

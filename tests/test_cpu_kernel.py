@@ -121,6 +121,15 @@ def test_a_row_with_nothing_to_attend_gives_no_gradient():
     torch.testing.assert_close(dv, dv_kept, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [64, 128, 256])
+def test_every_query_tile_size(rows, monkeypatch):
+    """Blocks of 2048 rows and more get longer tiles (``query_tile``): each size, on a block
+    whose rows end mid-tile, causal and not."""
+    monkeypatch.setattr(cpu_kernel, "query_tile", lambda length: rows)
+    test_forward_and_backward_against_float64((1, 4, 2, 700, 600, 32, 16, True), "heads inside")
+    test_forward_and_backward_against_float64((1, 2, 2, 300, 900, 16, 16, False), "contiguous")
+
+
 def test_the_same_on_one_thread_or_two():
     q, k, v = _inputs(2, 4, 2, 300, 300, 32, 32)
     dout = torch.randn(2, 4, 300, 32, generator=torch.Generator().manual_seed(3))

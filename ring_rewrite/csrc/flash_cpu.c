@@ -34,7 +34,7 @@ static sgemm_fn sgemm_ptr;
 
 void rr_set_sgemm(void *fn) { sgemm_ptr = (sgemm_fn)fn; }
 
-enum { TQ = 64, TK = 256 }; /* query and key tile sizes: best or tied among 32 to 256 by 256 to 512 */
+enum { TK = 256 }; /* keys a tile: 256 and 512 tie; query tile rows TQ are the caller's */
 
 /* Column-major sgemm on row-major buffers: C (m x n) = alpha op(A) op(B) + beta C, where
  * "row-major X with leading dim ld" is "column-major X^T". */
@@ -75,7 +75,7 @@ static inline int64_t seen(int causal, int64_t row, int64_t n, int64_t kb) {
 void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const int64_t *ks,
                       const float *v, const int64_t *vs, float *out, float *lse, int64_t B,
                       int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t D, int64_t Dv,
-                      float scale, int causal, int threads) {
+                      int64_t TQ, float scale, int causal, int threads) {
     const int64_t tiles = (L + TQ - 1) / TQ, group = Hq / Hkv;
 #pragma omp parallel num_threads(threads)
     {
@@ -130,7 +130,8 @@ void rr_flash_backward(const float *dout, const int64_t *dos, const float *q, co
                        const float *k, const int64_t *ks, const float *v, const int64_t *vs,
                        const float *out, const int64_t *os, const float *lse, const int64_t *ls,
                        float *dq, float *dk, float *dv, int64_t B, int64_t Hq, int64_t Hkv,
-                       int64_t L, int64_t S, int64_t D, int64_t Dv, float scale, int causal, int threads) {
+                       int64_t L, int64_t S, int64_t D, int64_t Dv, int64_t TQ, float scale, int causal,
+                       int threads) {
     const int64_t group = Hq / Hkv;
 #pragma omp parallel num_threads(threads)
     {
