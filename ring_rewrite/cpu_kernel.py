@@ -5,15 +5,17 @@ Note [The CPU block kernel]
 Every block of a dilated site is a causal square of ``w / r`` rows (2048 in the LongNet
 configs of ``benchmarks/``). aten's CPU flash kernel tiles queries by 256 rows and keys by 512
 and, causal, runs each query tile's last key tile to its end: on a 2048-row block it computes a
-quarter more pairs than the useful ones, and its share of ``torch.mm``'s rate falls from 93 %
-on a full square to 65 to 75 % on the causal one (fwd + bwd, this machine). Blocks shorter than
-768 rows fare worse (its 64-row tiles still run 512 keys: a causal 512 square runs at 30 %).
-``flash_cpu.c`` is the same algorithm with 64-row query tiles that stop at their last row's
-diagonal: 97 to 100 % of ``torch.mm`` on the 2048-row causal blocks, as fast as aten's on full
-squares. Its products are MKL's ``sgemm`` (torch's own, the address taken from
-``libtorch_cpu``), its threads torch's OpenMP runtime at ``torch.get_num_threads()``. It
-writes ``out``, ``dq``, ``dk`` and ``dv`` contiguous (aten's come in its own layout, and were
-copied), reads GQA's kv heads in place and takes ``d != dv`` as they are.
+quarter more pairs than the useful ones, and its share of ``torch.mm``'s rate falls from about
+93 % on a full square to 65 to 75 % on the causal one (forward + backward, this machine; blocks
+under 768 rows fare worse: its 64-row tiles still run 512 keys, and a causal 512 square runs at
+30 %). ``flash_cpu.c`` is the same algorithm (FlashAttention-2) with query tiles of a 32nd of
+the block (``query_tile``, 64 to 256 rows) that stop at their last row's diagonal: on causal
+blocks of 2048 to 16384 rows it ran at 90 to 110 % of ``torch.mm``'s rate measured beside it,
+where aten's ran at 67 to 82 % (benchmarks/README.md, section 1). Its products are MKL's
+``sgemm`` (torch's own, the address taken from ``libtorch_cpu``), its threads torch's OpenMP
+runtime at ``torch.get_num_threads()``. It writes ``out``, ``dq``, ``dk`` and ``dv``
+contiguous (aten's come in its own layout and were copied), reads GQA's kv heads in place and
+takes ``d != dv`` as they are.
 
 It serves float32 blocks without a bias (``serves``): causal or full, which is every block of
 a site without a key mask, padding or band. The rest (float64, a bias) runs aten's kernel, as

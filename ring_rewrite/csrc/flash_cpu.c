@@ -2,18 +2,19 @@
  *
  * What aten's CPU flash kernel does, with two differences that matter to a dilated site, whose
  * every block is a causal square of a few thousand rows (Note [The CPU block kernel] in
- * kernels.py):
+ * cpu_kernel.py):
  *   - a causal query tile stops at its last row's diagonal: its last key tile is cut there,
  *     where aten's runs to the end of a 512-key tile (a quarter more pairs than the useful ones
  *     on a 2048-row block);
- *   - query tiles are short (TQ rows), so what a tile computes past the diagonal is small.
+ *   - query tiles are short (TQ rows, the caller's choice: a 32nd of the block), so what a
+ *     tile computes past the diagonal is small.
  * Scores, softmax statistics and the gradients' pieces are the textbook ones (FlashAttention-2,
  * Dao 2023, Algorithms 1 and 2): per query tile, over key tiles, S = scale q k^T, a running
  * max and sum (forward), P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
  * dQ += scale dS K, dK += scale dS^T Q (backward). The products are one sgemm each (MKL's, whose
  * address the caller passes: torch's own BLAS). Threads are OpenMP's (torch's runtime: the same
- * libgomp), one task a (batch, head, query tile) forward and a (batch, kv head) backward, which
- * owns its dK and dV, so nothing is shared.
+ * libgomp; `threads` of them), one task a (batch, head, query tile) forward and a (batch, kv
+ * head) backward, which owns its dK and dV, so nothing is shared.
  *
  * Tensors: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), dout and out (B, Hq, L, Dv),
  * lse (B, Hq, L), each with unit stride in its last dim and any other strides (elements; a
