@@ -85,24 +85,29 @@ def test_memory_of_branches_summed_in_place():
     """Two local branches at P = 1 (Note [Memory of a site]): each branch's gradients are added
     to the site's sums once computed, so the backward peak is the saved out and lse, the sums
     (dq, dk, dv in float32) and the second branch running: at rate 2 its dilated copies (q, dout,
-    out at half the rows, their lse, and K/V per query head: kv rows as many as q rows), its
-    dq, dk, dv and its kernel's scratch (the largest gradient, beside its contiguous copy)."""
-    site = ring_rewrite.plan(
-        64, 1, heads=2, head_dim=8, dtype=torch.float32, device="cpu", segment_lengths=[16, 64],
-        dilation_rates=[1, 2],
-    ).site  # fmt: skip
-    q = 2 * 64 * 8 * 4  # bytes of q, and of out, dq, dk, dv
-    saved = q + 2 * 64 * 4
-    half = q // 2  # one q-sized tensor at rate 2
-    copies = 3 * half + 2 * 32 * 4 + 2 * half
-    assert attention_memory_bytes(site) == {"saved": saved, "peak": saved + 3 * q + 3 * half + copies + half}
+    out at half the rows, their lse, and K/V per query head: kv rows as many as q rows) and its
+    dq, dk, dv, which the CPU kernel writes contiguous (Note [The CPU block kernel]); in float64
+    aten's kernel runs it, and the largest gradient is held beside its contiguous copy."""
+    for dtype, item, copy in ((torch.float32, 4, 0), (torch.float64, 8, 1)):
+        site = ring_rewrite.plan(
+            64, 1, heads=2, head_dim=8, dtype=dtype, device="cpu", segment_lengths=[16, 64],
+            dilation_rates=[1, 2],
+        ).site  # fmt: skip
+        q = 2 * 64 * 8 * item  # bytes of q, and of out, dq, dk, dv
+        saved = q + 2 * 64 * item
+        half = q // 2  # one q-sized tensor at rate 2
+        copies = 3 * half + 2 * 32 * item + 2 * half
+        peak = saved + 3 * q + 3 * half + copies + copy * half
+        assert attention_memory_bytes(site) == {"saved": saved, "peak": peak}
 
 
 def test_memory_of_a_lone_rate_one_branch():
     """Exact attention at P = 1: the branch's gradients are the site's (nothing to sum), so the
-    peak is the saved tensors and the kernel's dq, dk, dv, one of them beside its contiguous
-    copy (dq, the largest: 2 query heads per kv head)."""
-    site = ring_rewrite.plan(64, 1, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu").site
-    q = 4 * 64 * 8 * 4
-    saved = q + 4 * 64 * 4
-    assert attention_memory_bytes(site) == {"saved": saved, "peak": saved + (q + q // 2 + q // 2) + q}
+    peak is the saved tensors and the kernel's dq, dk, dv; in float64 (aten's kernel) one of
+    them beside its contiguous copy (dq, the largest: 2 query heads per kv head)."""
+    for dtype, item, copy in ((torch.float32, 4, 0), (torch.float64, 8, 1)):
+        site = ring_rewrite.plan(64, 1, heads=4, kv_heads=2, head_dim=8, dtype=dtype, device="cpu").site
+        q = 4 * 64 * 8 * item
+        saved = q + 4 * 64 * item
+        peak = saved + (q + q // 2 + q // 2) + copy * q
+        assert attention_memory_bytes(site) == {"saved": saved, "peak": peak}
