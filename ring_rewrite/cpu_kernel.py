@@ -13,7 +13,12 @@ the block (``query_tile``, 64 to 256 rows) that stop at their last row's diagona
 blocks of 2048 to 16384 rows it ran at 90 to 110 % of ``torch.mm``'s rate measured beside it,
 where aten's ran at 67 to 82 % (benchmarks/README.md, section 1). Its products are MKL's
 ``sgemm`` (torch's own, the address taken from ``libtorch_cpu``), its threads torch's OpenMP
-runtime at ``torch.get_num_threads()``. It writes ``out``, ``dq``, ``dk`` and ``dv``
+runtime at ``torch.get_num_threads()``: forward, a task per (batch, head, query tile); backward,
+per (batch, kv head), which owns its dK and dV. Backward tasks too few to give every thread one
+(the local branches' head chunks run one head of a few segments: at 16k tokens a chunk of the
+16384-token branch is one task) are shared by all threads, each taking a slice of every query
+tile's keys and its dQ share, which they then sum (one task on two threads ran at 45 % of
+``torch.mm`` before, 90 to 100 % after). It writes ``out``, ``dq``, ``dk`` and ``dv``
 contiguous (aten's come in its own layout and were copied), reads GQA's kv heads in place and
 takes ``d != dv`` as they are.
 

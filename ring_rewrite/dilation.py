@@ -24,6 +24,7 @@ dilated kv head (``Hq * N / r`` rows; fewer than ``Hkv * N`` whenever ``g <= r``
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -188,14 +189,14 @@ class BranchLayout:
         """For each kernel head of ``y`` (``gather``'s layout) and each run of its rows that is one
         strided view of ``x (B, H, n, C)``: ``(x's rows, y's rows)``, views of the same shape,
         and last, per head, the rows of ``y`` past the sequence (``None`` if no padding)."""
-        head, off = (self._kv_pairs if kv else self._q_pairs)(torch.device("cpu"))
+        pairs = _pairs(self, kv)
         batch, channels = x.shape[0], x.shape[-1]
         if rows:
-            runs = y.view(batch, len(head), self.nseg, self.m, channels)
+            runs = y.view(batch, len(pairs), self.nseg, self.m, channels)
         else:
-            runs = y.view(batch, self.nseg, len(head), self.m, channels).transpose(1, 2)
+            runs = y.view(batch, self.nseg, len(pairs), self.m, channels).transpose(1, 2)
         whole = self.n // self.seg  # segments inside the sequence; a last one may be cut short
-        for a, (h, o) in enumerate(zip(head.tolist(), off.tolist())):
+        for a, (h, o) in enumerate(pairs):
             xh = x[:, h]
             if whole:
                 cut = xh.narrow(1, 0, whole * self.seg).view(batch, whole, self.m, self.r, channels)
@@ -241,3 +242,11 @@ class BranchLayout:
             total.zero_()
         for dst, src, _ in self._runs(total, y, kv=kv, rows=rows):
             dst.copy_(src) if write else dst.add_(src)
+
+
+@functools.lru_cache(maxsize=256)
+def _pairs(layout: BranchLayout, kv: bool) -> tuple[tuple[int, int], ...]:
+    """``(head, offset)`` of each kernel head of ``layout``'s kv rows (``kv``) or query rows, as
+    ints: a gather's or gradient sum's loop at run time (computed once per layout)."""
+    head, off = (layout._kv_pairs if kv else layout._q_pairs)(torch.device("cpu"))
+    return tuple(zip(head.tolist(), off.tolist()))

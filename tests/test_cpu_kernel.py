@@ -146,6 +146,28 @@ def test_the_same_on_one_thread_or_two():
         torch.testing.assert_close(one, two, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (1, 2, 1, 700, 700, 32, 16, True),  # one (batch, kv head): every thread shares it
+        (1, 6, 3, 300, 530, 16, 16, False),  # three: whole ones first, then the rest shared
+        (5, 1, 1, 257, 257, 8, 8, True),
+        (1, 2, 2, 40, 20, 8, 8, True),  # fewer keys than threads' slices of 16
+    ],
+    ids=lambda c: "b{}h{}/{}L{}S{}d{}/{}{}".format(*c[:7], "c" if c[7] else ""),
+)
+def test_backward_with_fewer_kv_heads_than_threads(case, threads):
+    """The backward's tasks are (batch, kv head); where they do not fill every thread, the
+    threads share one, each taking a slice of every query tile's keys (``shared_task``)."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        test_forward_and_backward_against_float64(case, "dilated")
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_what_it_serves_and_what_runs_aten():
     q, k, v = _inputs(1, 2, 2, 16, 16, 8, 8)
     assert cpu_kernel.serves(q, k, v, bias=None)

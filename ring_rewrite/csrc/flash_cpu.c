@@ -14,7 +14,9 @@
  * dQ += scale dS K, dK += scale dS^T Q (backward). The products are one sgemm each (MKL's, whose
  * address the caller passes: torch's own BLAS). Threads are OpenMP's (torch's runtime: the same
  * libgomp; `threads` of them), one task a (batch, head, query tile) forward and a (batch, kv
- * head) backward, which owns its dK and dV, so nothing is shared.
+ * head) backward, which owns its dK and dV, so nothing is shared. Backward tasks that would leave
+ * threads idle (fewer left than threads: one head of one segment, as the local branches' head
+ * chunks often run) are shared by every thread instead, each query tile's keys cut in slices.
  *
  * Tensors: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), dout and out (B, Hq, L, Dv),
  * lse (B, Hq, L), each with unit stride in its last dim and any other strides (elements; a
@@ -23,6 +25,7 @@
  * A backward row whose lse is +inf (nothing to attend) contributes nothing.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,63 +130,157 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
     }
 }
 
+/* The backward's operands (strides in elements, as in the header). */
+struct grads {
+    const float *dout, *q, *k, *v, *out, *lse;
+    const int64_t *dos, *qs, *ks, *vs, *os, *ls;
+    float *dq, *dk, *dv;
+    int64_t B, Hq, Hkv, L, S, D, Dv, TQ;
+    float scale;
+    int causal;
+};
+
+/* Per thread: P and dP tiles, a tile's rowsum(dO O) and lse, and (shared tasks) its dQ share. */
+struct scratch {
+    float *p, *dp, *dsum, *lrow, *dq;
+};
+
+static void scratch_alloc(struct scratch *w, int64_t TQ, int64_t D) {
+    w->p = malloc(sizeof(float) * (2 * TQ * TK + 2 * TQ + TQ * D));
+    w->dp = w->p + TQ * TK, w->dsum = w->dp + TQ * TK, w->lrow = w->dsum + TQ, w->dq = w->lrow + TQ;
+}
+
+/* The last key (exclusive) that rows [m, m + tq) see. */
+static inline int64_t key_bound(const struct grads *a, int64_t m, int64_t tq) {
+    return a->causal ? (m + tq < a->S ? m + tq : a->S) : a->S;
+}
+
+/* rowsum(dO O) and lse of query rows [m, m + tq) of head h into w. */
+static void tile_stats(const struct grads *a, struct scratch *w, int64_t b, int64_t h, int64_t m, int64_t tq) {
+    const float *dot = a->dout + b * a->dos[0] + h * a->dos[1] + m * a->dos[2];
+    const float *ot = a->out + b * a->os[0] + h * a->os[1] + m * a->os[2];
+    const float *lt = a->lse + b * a->ls[0] + h * a->ls[1] + m * a->ls[2];
+    for (int64_t r = 0; r < tq; r++) {
+        float s = 0.0f;
+        for (int64_t c = 0; c < a->Dv; c++) s += dot[r * a->dos[2] + c] * ot[r * a->os[2] + c];
+        w->dsum[r] = s;
+        w->lrow[r] = lt[r * a->ls[2]];
+    }
+}
+
+/* Query rows [m, m + tq) of head h against keys [k0, k1) (k0 < k1): their share of dK and dV
+ * added to the kv head's rows (dkh, dvh: that head's, contiguous), their dQ share written to
+ * dqt (ld D). Needs tile_stats of the rows in w. */
+static void tile_backward(const struct grads *a, struct scratch *w, int64_t b, int64_t h, int64_t m,
+                          int64_t tq, int64_t k0, int64_t k1, float *dkh, float *dvh, float *dqt) {
+    const int64_t hk = h / (a->Hq / a->Hkv), D = a->D, Dv = a->Dv;
+    const float *kh = a->k + b * a->ks[0] + hk * a->ks[1], *vh = a->v + b * a->vs[0] + hk * a->vs[1];
+    const float *qt = a->q + b * a->qs[0] + h * a->qs[1] + m * a->qs[2];
+    const float *dot = a->dout + b * a->dos[0] + h * a->dos[1] + m * a->dos[2];
+    float *p = w->p, *dp = w->dp;
+    for (int64_t n = k0; n < k1; n += TK) {
+        const int64_t kb = k1 - n < TK ? k1 - n : TK;
+        gemm('T', 'N', kb, tq, D, a->scale, kh + n * a->ks[2], a->ks[2], qt, a->qs[2], 0.0f, p, TK);
+        gemm('T', 'N', kb, tq, Dv, 1.0f, vh + n * a->vs[2], a->vs[2], dot, a->dos[2], 0.0f, dp, TK);
+        for (int64_t r = 0; r < tq; r++) {
+            float *pr = p + r * TK, *dr = dp + r * TK;
+            const int64_t lim = w->lrow[r] == INFINITY ? 0 : seen(a->causal, m + r, n, kb);
+            const float l = w->lrow[r], ds = w->dsum[r];
+#pragma omp simd
+            for (int64_t c = 0; c < lim; c++) {
+                const float e = exp_neg(pr[c] - l);
+                pr[c] = e;
+                dr[c] = e * (dr[c] - ds);
+            }
+            for (int64_t c = lim; c < kb; c++) pr[c] = 0.0f, dr[c] = 0.0f;
+        }
+        gemm('N', 'T', Dv, kb, tq, 1.0f, dot, a->dos[2], p, TK, 1.0f, dvh + n * Dv, Dv);
+        gemm('N', 'N', D, tq, kb, a->scale, kh + n * a->ks[2], a->ks[2], dp, TK, n > k0 ? 1.0f : 0.0f,
+             dqt, D);
+        gemm('N', 'T', D, kb, tq, a->scale, qt, a->qs[2], dp, TK, 1.0f, dkh + n * D, D);
+    }
+}
+
+/* A (batch, kv head) on one thread: every query head of its group, every tile, its own dK, dV. */
+static void own_task(const struct grads *a, struct scratch *w, int64_t task) {
+    const int64_t b = task / a->Hkv, hk = task % a->Hkv, group = a->Hq / a->Hkv;
+    float *dkh = a->dk + task * a->S * a->D, *dvh = a->dv + task * a->S * a->Dv;
+    memset(dkh, 0, sizeof(float) * a->S * a->D);
+    memset(dvh, 0, sizeof(float) * a->S * a->Dv);
+    for (int64_t h = hk * group; h < (hk + 1) * group; h++)
+        for (int64_t m = 0; m < a->L; m += a->TQ) {
+            const int64_t tq = a->L - m < a->TQ ? a->L - m : a->TQ;
+            tile_stats(a, w, b, h, m, tq);
+            tile_backward(a, w, b, h, m, tq, 0, key_bound(a, m, tq), dkh, dvh,
+                          a->dq + ((b * a->Hq + h) * a->L + m) * a->D);
+        }
+}
+
+/* Thread t's slice [lo, hi) of [0, n) cut in nt, on multiples of `align`. */
+static void slice(int64_t n, int t, int nt, int64_t align, int64_t *lo, int64_t *hi) {
+    const int64_t units = (n + align - 1) / align;
+    const int64_t a = units * t / nt * align, z = units * (t + 1) / nt * align;
+    *lo = a < n ? a : n, *hi = z < n ? z : n;
+}
+
+/* A (batch, kv head) shared by all nt threads, thread t one of them: each query tile's keys cut
+ * in nt slices, each thread adding its slice's dK, dV (the slices of one tile are disjoint) and
+ * writing its dQ share, which the threads then sum into the tile's rows. Every thread calls it. */
+static void shared_task(const struct grads *a, struct scratch *w, struct scratch *all, int t, int nt,
+                        int64_t task, int *wrote) {
+    const int64_t b = task / a->Hkv, hk = task % a->Hkv, group = a->Hq / a->Hkv, D = a->D;
+    float *dkh = a->dk + task * a->S * D, *dvh = a->dv + task * a->S * a->Dv;
+    int64_t lo, hi;
+    slice(a->S, t, nt, 1, &lo, &hi);
+    memset(dkh + lo * D, 0, sizeof(float) * (hi - lo) * D);
+    memset(dvh + lo * a->Dv, 0, sizeof(float) * (hi - lo) * a->Dv);
+#pragma omp barrier
+    for (int64_t h = hk * group; h < (hk + 1) * group; h++)
+        for (int64_t m = 0; m < a->L; m += a->TQ) {
+            const int64_t tq = a->L - m < a->TQ ? a->L - m : a->TQ;
+            slice(key_bound(a, m, tq), t, nt, 16, &lo, &hi);
+            wrote[t] = lo < hi;
+            if (lo < hi) {
+                tile_stats(a, w, b, h, m, tq);
+                tile_backward(a, w, b, h, m, tq, lo, hi, dkh, dvh, w->dq);
+            }
+#pragma omp barrier
+            float *dqt = a->dq + ((b * a->Hq + h) * a->L + m) * D;
+            slice(tq, t, nt, 1, &lo, &hi);
+            for (int64_t r = lo; r < hi; r++) {
+                float *row = dqt + r * D;
+                for (int64_t c = 0; c < D; c++) row[c] = 0.0f;
+                for (int u = 0; u < nt; u++)
+                    if (wrote[u])
+                        for (int64_t c = 0; c < D; c++) row[c] += all[u].dq[r * D + c];
+            }
+#pragma omp barrier
+        }
+}
+
 void rr_flash_backward(const float *dout, const int64_t *dos, const float *q, const int64_t *qs,
                        const float *k, const int64_t *ks, const float *v, const int64_t *vs,
                        const float *out, const int64_t *os, const float *lse, const int64_t *ls,
                        float *dq, float *dk, float *dv, int64_t B, int64_t Hq, int64_t Hkv,
                        int64_t L, int64_t S, int64_t D, int64_t Dv, int64_t TQ, float scale, int causal,
                        int threads) {
-    const int64_t group = Hq / Hkv;
+    const struct grads a = {dout, q, k, v, out, lse, dos, qs, ks, vs, os, ls, dq, dk, dv,
+                            B, Hq, Hkv, L, S, D, Dv, TQ, scale, causal};
+    struct scratch *all = malloc(sizeof(struct scratch) * threads);
+    int *wrote = malloc(sizeof(int) * threads);
 #pragma omp parallel num_threads(threads)
     {
-        float *p = malloc(sizeof(float) * (2 * TQ * TK + 2 * TQ));
-        float *dp = p + TQ * TK, *dsum = dp + TQ * TK, *lrow = dsum + TQ;
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        struct scratch *w = all + t;
+        scratch_alloc(w, TQ, D);
+        /* Whole tasks while every thread gets one; the rest shared, tile by tile. */
+        const int64_t tasks = B * Hkv, whole = tasks / nt * nt;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * Hkv; task++) {
-            const int64_t b = task / Hkv, hk = task % Hkv;
-            const float *kh = k + b * ks[0] + hk * ks[1], *vh = v + b * vs[0] + hk * vs[1];
-            float *dkh = dk + task * S * D, *dvh = dv + task * S * Dv;
-            memset(dkh, 0, sizeof(float) * S * D);
-            memset(dvh, 0, sizeof(float) * S * Dv);
-            for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
-                for (int64_t m = 0; m < L; m += TQ) {
-                    const int64_t tq = L - m < TQ ? L - m : TQ;
-                    const float *qt = q + b * qs[0] + h * qs[1] + m * qs[2];
-                    const float *dot = dout + b * dos[0] + h * dos[1] + m * dos[2];
-                    const float *ot = out + b * os[0] + h * os[1] + m * os[2];
-                    const float *lt = lse + b * ls[0] + h * ls[1] + m * ls[2];
-                    float *dqt = dq + ((b * Hq + h) * L + m) * D;
-                    for (int64_t r = 0; r < tq; r++) {
-                        float s = 0.0f;
-                        for (int64_t c = 0; c < Dv; c++) s += dot[r * dos[2] + c] * ot[r * os[2] + c];
-                        dsum[r] = s;
-                        lrow[r] = lt[r * ls[2]];
-                    }
-                    const int64_t bound = causal ? (m + tq < S ? m + tq : S) : S;
-                    for (int64_t n = 0; n < bound; n += TK) {
-                        const int64_t kb = bound - n < TK ? bound - n : TK;
-                        gemm('T', 'N', kb, tq, D, scale, kh + n * ks[2], ks[2], qt, qs[2], 0.0f, p, TK);
-                        gemm('T', 'N', kb, tq, Dv, 1.0f, vh + n * vs[2], vs[2], dot, dos[2], 0.0f, dp, TK);
-                        for (int64_t r = 0; r < tq; r++) {
-                            float *pr = p + r * TK, *dr = dp + r * TK;
-                            const int64_t lim = lrow[r] == INFINITY ? 0 : seen(causal, m + r, n, kb);
-                            const float l = lrow[r], ds = dsum[r];
-#pragma omp simd
-                            for (int64_t c = 0; c < lim; c++) {
-                                const float e = exp_neg(pr[c] - l);
-                                pr[c] = e;
-                                dr[c] = e * (dr[c] - ds);
-                            }
-                            for (int64_t c = lim; c < kb; c++) pr[c] = 0.0f, dr[c] = 0.0f;
-                        }
-                        gemm('N', 'T', Dv, kb, tq, 1.0f, dot, dos[2], p, TK, 1.0f, dvh + n * Dv, Dv);
-                        gemm('N', 'N', D, tq, kb, scale, kh + n * ks[2], ks[2], dp, TK, n ? 1.0f : 0.0f,
-                             dqt, D);
-                        gemm('N', 'T', D, kb, tq, scale, qt, qs[2], dp, TK, 1.0f, dkh + n * D, D);
-                    }
-                }
-            }
-        }
-        free(p);
+        for (int64_t task = 0; task < whole; task++) own_task(&a, w, task);
+        for (int64_t task = whole; task < tasks; task++) shared_task(&a, w, all, t, nt, task, wrote);
+#pragma omp barrier
+        free(w->p);
     }
+    free(all);
+    free(wrote);
 }
