@@ -292,8 +292,12 @@ def _freed_by_the_caller(rank, world):
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
     peer = 1 - rank
+    # The call's header is exchanged before the profiler starts: gloo's worker thread drops its
+    # all_gather (and the header's few bytes) just after waking the caller, sometimes once the
+    # profiler has stopped. The transfers below use no worker thread.
+    opened = p2p.site_token(0, group, 0, 20_000)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        token = p2p.site_token(0, group, 0, 20_000)
+        token = opened
         for step in range(3):
             x = torch.full((1 << 18,), float(10 * rank + step))
             token = ops.ring_shift_start([x], token, group, peer, peer, step)
@@ -301,6 +305,7 @@ def _freed_by_the_caller(rank, world):
             assert got[0].item() == 10 * peer + step
             del x, got
         del token
+    del opened
     # Every byte the transfers allocated was freed by this thread once the last reference here
     # went: no helper thread (the waiter, gloo's) keeps a finished transfer's tensors.
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
