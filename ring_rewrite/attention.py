@@ -39,15 +39,20 @@ kernel's gradients with their contiguous copy, and the sums they are added to (w
 summed pointwise, every branch's gradients too: 9.6 ``q``-sized tensors at the peak in
 ``benchmarks/single_device.py``'s LongNet config). So the local branches' backward runs one
 head chunk (of whole kv heads) at a time: every local branch computes its share of the chunk's
-heads, the shares are summed (with the rings' dq of those heads, Note [Gradient sums as calls])
-and written into the site's dq, dk, dv in place (``ops.write_heads``; a concatenation would hold
-every chunk's sums beside its result), and the next chunk's blocks wait for those writes
-(``ops.after`` on their lse: nothing else stops a compiler from running every chunk's blocks
-first and holding their results). At once are held the site's gradients, one chunk's sums and
-one branch's copies, gradients and scratch for that chunk. ``SitePlan.local_chunks`` takes the
-fewest chunks whose share fits in ``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does
-a site with dropout (a block's keep-mask is drawn over all of its heads). The forward holds each
-branch's out and lse, ``1 / r`` of q each, and needs no chunks.
+heads, and the shares are summed (with the rings' dq of those heads, Note [Gradient sums as
+calls]) straight into those heads of the site's dq, dk, dv, in place (``undilate_add``'s
+``start``; a concatenation would hold every chunk's sums beside its result). Where the sums are
+wider than the inputs (``stat_dtype``: float32 for 16-bit inputs) a chunk sums into buffers of
+its own instead, cast once into the site's (``ops.write_heads``). The next chunk's blocks wait
+for those writes (``ops.after`` on their lse: nothing else stops a compiler from running every
+chunk's blocks first and holding their results). At once are held the site's gradients (and a
+chunk's own sums, where wider) and one branch's copies, gradients and scratch for that chunk.
+Summing in place saves three chunk-sized buffers a chunk and a copy of dq, dk, dv a step (at
+256k tokens a one-head chunk is 64 MiB, over glibc's ``mmap`` threshold: fresh pages every
+time). ``SitePlan.local_chunks`` takes the fewest chunks whose share fits in
+``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does a site with dropout (a block's
+keep-mask is drawn over all of its heads). The forward holds each branch's out and lse, ``1 / r``
+of q each, and needs no chunks.
 
 Note [Rows of a ring branch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -370,23 +375,27 @@ def _fields(layout) -> list[int]:
     return [layout.w, layout.r, layout.n, layout.batch, layout.hq, layout.hkv, layout.head0]
 
 
-def _undilate_add(plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False) -> torch.Tensor:
+def _undilate_add(
+    plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False, start=0, zero=None
+) -> torch.Tensor:  # fmt: skip
     """``total`` with ``y``, a branch's dilated gradient (``_dilated``'s layout), added at its
     rows, in place (Note [Gradient sums as calls]); where ``total`` is None, a new one of
     ``y``'s heads in ``stat_dtype``, in which contributions add up (SPEC §5), or ``y`` itself
-    where its rows are the site's (rate 1, no padding, one segment or a ring's rows)."""
-    zero = total is None
+    where its rows are the site's (rate 1, no padding, one segment or a ring's rows). ``y``'s
+    heads are ``total``'s from ``start`` on; with ``zero`` they are written, not added to."""
+    if zero is None:
+        zero = total is None
     heads = layout.hkv if kv else layout.hq
     # A ring's gradients are sums already (``stat_dtype``), a local block's in the compute dtype.
     dtype = plan.stat_dtype if rows else plan.compute_dtype
-    if zero and dtype == plan.stat_dtype and layout.r == 1 and layout.padded == layout.n:
+    if total is None and dtype == plan.stat_dtype and layout.r == 1 and layout.padded == layout.n:
         if rows:
             return y
         if layout.nseg == 1:
             return y.view(layout.batch, heads, layout.n, last_dim(y, layout.batch))
-    if zero:
+    if total is None:
         total = y.new_empty((layout.batch, heads, layout.n, y.shape[-1]), dtype=plan.stat_dtype)
-    torch.ops.ring_rewrite.undilate_add(total, y, _fields(layout), kv, rows, zero)
+    torch.ops.ring_rewrite.undilate_add(total, y, _fields(layout), kv, rows, zero, start)
     return total
 
 
@@ -800,15 +809,15 @@ def _after(x: torch.Tensor, *totals) -> torch.Tensor:
         return torch.ops.ring_rewrite.after(x, deps)
 
 
-def _add_rings_dq(plan: SitePlan, dq, rings: list, qh: slice):
-    """``dq`` (None: a new one) plus query heads ``qh`` of the rings' dilated dq, ``rings`` as
-    ``(branch index, layout, dq)``."""
+def _add_rings_dq(plan: SitePlan, dq, rings: list, qh: slice, start: int = 0):
+    """``dq`` (None: a new one; its heads ``qh`` from ``start`` on) plus query heads ``qh`` of
+    the rings' dilated dq, ``rings`` as ``(branch index, layout, dq)``."""
     whole = qh == slice(0, plan.hq)
     for i, layout, dqd in rings:
         with role("undilate", branch=i):
             if not whole:  # kernel heads of whole kv heads are those of the same query heads
                 layout, dqd = layout.heads(qh.start, qh.stop), dqd[:, qh]
-            dq = _undilate_add(plan, dq, dqd, layout, rows=True)
+            dq = _undilate_add(plan, dq, dqd, layout, rows=True, start=start)
     return dq
 
 
@@ -828,24 +837,36 @@ def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, r
             kl.new_empty((plan.batch, plan.hkv, plan.n_local, plan.d), dtype=kv_dtype),
             vl.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
         ]
+    # Sums in the input dtype add up in the totals, a chunk's heads in place; wider ones are a
+    # chunk's own, cast once into the totals.
+    into = totals if plan.dtype == plan.stat_dtype else None
     for c, (qh, kh) in enumerate(chunks):
-        *sums, _ = _local_chunk(plan, qh, kh, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, totals if c else ())
+        *sums, _ = _local_chunk(
+            plan, qh, kh, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, totals if c else (), into
+        )
+        if into is not None:
+            continue
         with role("merge"):
             for total, x, heads in zip(totals, sums, (qh, kh, kh)):
                 torch.ops.ring_rewrite.write_heads(total, x.to(total.dtype), heads.start)
     return (*totals, totals)
 
 
-def _local_chunk(plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, before):
+def _local_chunk(
+    plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, before, into=None
+):  # fmt: skip
     """dq, dk, dv of query heads ``qh`` (kv heads ``kh``) summed over the local branches and the
     ``rings``' dq (``_add_rings_dq``), and the blocks' gradients; the blocks run once ``before``
-    (the previous chunk's sums) are computed."""
+    (the previous chunk's sums) are computed. With ``into`` (the site's dq, dk, dv) the sums are
+    those heads of them, written in place."""
     whole = qh == slice(0, plan.hq)
 
     def heads(x, h):
         return x if whole else x[:, h]
 
-    dq = dk = dv = None
+    dq, dk, dv = into if into is not None else (None, None, None)
+    starts = (qh.start, kh.start) if into is not None else (0, 0)
+    zero = True if into is not None else None  # the first branch writes its heads of ``into``
     computed = []
     for i, branch in enumerate(plan.branches):
         if not branch.is_local:
@@ -869,10 +890,11 @@ def _local_chunk(plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse
             )
         computed += [dqd, dkd, dvd]
         with role("undilate", branch=i):
-            dq = _undilate_add(plan, dq, dqd, layout)
-            dk = _undilate_add(plan, dk, dkd, layout, kv=True)
-            dv = _undilate_add(plan, dv, dvd, layout, kv=True)
-    return _add_rings_dq(plan, dq, rings, qh), dk, dv, computed
+            dq = _undilate_add(plan, dq, dqd, layout, start=starts[0], zero=zero)
+            dk = _undilate_add(plan, dk, dkd, layout, kv=True, start=starts[1], zero=zero)
+            dv = _undilate_add(plan, dv, dvd, layout, kv=True, start=starts[1], zero=zero)
+        zero = None
+    return _add_rings_dq(plan, dq, rings, qh, starts[0]), dk, dv, computed
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None):

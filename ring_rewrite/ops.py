@@ -17,7 +17,7 @@ block the row attends to), it returns this block's exact share of the gradient (
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
-``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero)`` adds them back,
+``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back,
 in place (Note [Gradient sums as calls] there). ``after(x, deps)`` and ``write_heads(total, x,
 start)`` order the local branches' gradient sums (Note [Head chunks of local branches] there);
 ``add_rows(total, x, start, rows, dtype)`` sums a ring step's gradients (Note [Gradient sums of a
@@ -270,11 +270,16 @@ def _(x, layout, kv, rows, fill, dtype):
 
 
 @torch.library.custom_op("ring_rewrite::undilate_add", mutates_args=("total",))
-def undilate_add(total: torch.Tensor, y: torch.Tensor, layout: list[int], kv: bool, rows: bool, zero: bool) -> None:
+def undilate_add(
+    total: torch.Tensor, y: torch.Tensor, layout: list[int], kv: bool, rows: bool, zero: bool, start: int
+) -> None:  # fmt: skip
     """``y``, a branch's dilated rows in ``dilate``'s layout (``kv``, ``rows`` as there), added in
-    place at their positions of ``total (B, H, n, C)``; with ``zero``, ``total`` is zeroed first
+    place at their positions of heads ``[start, start + H)`` (dim 1) of ``total (B, H', n, C)``,
+    ``H`` the layout's kv or query heads; with ``zero``, those heads are zeroed first
     (``BranchLayout.scatter_add``; Note [Gradient sums as calls] in ``attention.py``)."""
-    BranchLayout(*layout).scatter_add(total, y, kv=kv, rows=rows, zero=zero)
+    lay = BranchLayout(*layout)
+    heads = total.narrow(1, start, lay.hkv if kv else lay.hq)
+    lay.scatter_add(heads, y, kv=kv, rows=rows, zero=zero)
 
 
 @torch.library.custom_op("ring_rewrite::documents", mutates_args=())

@@ -16,8 +16,9 @@ and backward bodies. Three facts of the generated code set it:
   (``ops.add_rows``: Note [Gradient sums of a ring step] there) and wait, dilated, for the local
   branches: its dq joins their sums, its dK/dV are added once home. Where the local branches'
   backward runs in ``C`` head chunks (Note [Head chunks of local branches] there), the site's
-  dq, dk, dv exist from the first chunk on, and each chunk sums into buffers of its own heads
-  (the rings' dq of those heads too), written into the site's once done.
+  dq, dk, dv exist from the first chunk on, and each chunk sums into its heads of them in place
+  (the rings' dq of those heads too), or, where the sums are wider than the inputs, into
+  buffers of its own heads, cast into the site's once done.
 * Ring branches run first and in order (the token chains their transfers). Local branches need
   no token and come after them; forward, in an order inductor picks for a low peak
   (``memory.py``'s ``reorder_for_peak_memory``), counted here as the order that holds least: the
@@ -42,8 +43,8 @@ So the backward peak is ``saved`` plus the largest of
   K/V in the compute dtype), its kernel's gradients and scratch;
 * a branch's gradients being added: the sums (the new ones too) beside them;
 * with local head chunks, in place of the local branches: the rings' gradients, the site's
-  dq, dk, dv (dk, dv in ``stat_dtype`` where rings add to them last), a chunk's sums and
-  ``1 / C`` of one local branch running;
+  dq, dk, dv (dk, dv in ``stat_dtype`` where rings add to them last), a chunk's own sums where
+  they are wider than the inputs, and ``1 / C`` of one local branch running;
 * the casts at the end, where the sums are wider than the inputs: the sums and the gradients
   cast so far;
 * in replicated mode, the gathers: the whole output (which the caller holds through the
@@ -404,11 +405,12 @@ def _backward_peak(plan: SitePlan) -> int:
             peak = max(peak, *(sum(sums[j:]) + sum(grads[: j + 1]) for j in range(3)))
     else:
         # The site's gradients from the first chunk on (dK/dV in stat_dtype while the rings'
-        # last hops are to come); a chunk's sums and one local branch's share of the chunk; the
-        # chunk's sums cast to the site's dtype, one at a time.
+        # last hops are to come); one local branch's share of the chunk and, where the sums are
+        # wider than the inputs, the chunk's sums, cast to the site's dtype one at a time (else
+        # the chunk sums into the site's gradients in place).
         dkv = grads[1] + grads[2]
         totals = grads[0] + (dkv * stat // item if rings else dkv)
-        chunk = sum(sums)
+        chunk = sum(sums) if stat != item else 0
         work = max(_branch_grads(plan, b) + _local_work(plan, b, True) for b in local)
         cast = max(grads) if stat != item else 0
         peak = max(peak, held + totals + (chunk + max(work, cast)) // chunks)

@@ -155,6 +155,31 @@ def test_local_branches_in_head_chunks(config, shape, is_causal, mask, compiler,
     _assert_close(got, _reference(config, q, k, v, dout, mask=m, is_causal=is_causal, scale=scale))
 
 
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_local_head_chunks_in_bf16_are_cast_once(compiler, monkeypatch):
+    """In bf16 a chunk's sums (float32) are cast once into the site's gradients
+    (``ops.write_heads``); in float32 they add up in the site's gradients in place. Chunked or
+    not, the gradients are the same sums rounded once."""
+    from ring_rewrite import attention
+
+    batch, hq, hkv, n, d = 2, 4, 2, 100, 16
+    q, k, v = _inputs(batch, hq, hkv, n, d, d, dtype=torch.bfloat16)
+    dout = torch.randn(batch, hq, n, d, dtype=torch.bfloat16)
+    got = {}
+    for chunk_bytes in (1 << 30, 1):
+        monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", chunk_bytes)
+        torch._dynamo.reset()
+        counters.clear()
+        fn = _compile(CONFIGS["longnet"], compiler, is_causal=True, enable_gqa=True)
+        got[chunk_bytes] = _forward_backward(fn, q, k, v, dout)
+        _assert_rewritten()
+    (out, grads), (chunked_out, chunked_grads) = got[1 << 30], got[1]
+    assert all(g.dtype == torch.bfloat16 for g in chunked_grads)
+    assert torch.equal(out, chunked_out)
+    for whole, chunked in zip(grads, chunked_grads):
+        assert rel_err(chunked, whole) < 1e-2
+
+
 def test_local_chunks_are_whole_kv_heads_and_one_with_dropout(monkeypatch):
     from ring_rewrite import attention
 

@@ -159,14 +159,20 @@ def test_undilate_add_is_the_layouts_scatter_add_in_place():
     for kv, rows in ((False, True), (True, False)):
         heads = layout.hkv if kv else layout.hq
         y = torch.randn(layout.gathered_shape(2, 5, kv=kv, rows=rows))
-        total = torch.randn(2, heads, 20, 5, dtype=torch.float64)
-        for zero in (False, True):
-            want = torch.zeros_like(total) if zero else total.clone()
-            layout.scatter_add(want, y, kv=kv, rows=rows)
-            torch.ops.ring_rewrite.undilate_add(total, y, fields, kv, rows, zero)
-            assert torch.equal(total, want)
-            args = (torch.randn(2, heads, 20, 5), y, fields, kv, rows, zero)
-            torch.library.opcheck(torch.ops.ring_rewrite.undilate_add, args)
+        # The layout's heads at ``start`` of a total with more heads (a head chunk's, written
+        # into the site's gradient): the heads around them are not touched.
+        for start, around in ((0, 0), (3, 5)):
+            total = torch.randn(2, heads + around, 20, 5, dtype=torch.float64)
+            for zero in (False, True):
+                want = total.clone()
+                mine = want.narrow(1, start, heads)
+                if zero:
+                    mine.zero_()
+                layout.scatter_add(mine, y, kv=kv, rows=rows)
+                torch.ops.ring_rewrite.undilate_add(total, y, fields, kv, rows, zero, start)
+                assert torch.equal(total, want)
+                args = (torch.randn(2, heads + around, 20, 5), y, fields, kv, rows, zero, start)
+                torch.library.opcheck(torch.ops.ring_rewrite.undilate_add, args)
 
 
 # ---- forward -----------------------------------------------------------------------------------
