@@ -34,7 +34,8 @@ only the last chunk's last hop has nothing to overlap with.
 
 Note [Head chunks of local branches]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A local branch's backward holds its dilated copies (q, dout, out, K/V at ``r > 1``), its
+Where the local branches cannot run in place (Note [Local branches in place]), a local
+branch's backward holds its dilated copies (q, dout, out, K/V at ``r > 1``), its
 kernel's gradients with their contiguous copy, and the sums they are added to (while inductor
 summed pointwise, every branch's gradients too: 9.6 ``q``-sized tensors at the peak in
 ``benchmarks/single_device.py``'s LongNet config). So the local branches' backward runs one
@@ -53,6 +54,23 @@ time). ``SitePlan.local_chunks`` takes the fewest chunks whose share fits in
 ``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does a site with dropout (a block's
 keep-mask is drawn over all of its heads). The forward holds each branch's out and lse, ``1 / r``
 of q each, and needs no chunks.
+
+Note [Local branches in place]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A local branch's rows are a lattice of the site's own: per kernel head, segment after segment,
+every ``r``-th row from the head's offset, one stride apart. ``flash_cpu.c`` reads any operand
+at such a layout (``BranchLayout.lattice``: segments as batches, each kernel head's first row),
+and writes or adds its gradients at one too. So where it runs every local block (float32 on CPU,
+no bias, band, documents or dropout, no padding, and no two kernel kv heads on the same rows),
+a local branch's backward is one call of ``ops.dilated_block_backward``: it reads the site's q,
+k, v, dout, out and lse where they lie and adds its dq, dk, dv into the site's, in place; the
+first branch, at rate 1, writes them (else they start at zero). Nothing is gathered, no
+gradient of the branch exists on its own, and nothing is summed afterwards: the backward holds
+the site's dq, dk, dv and the kernel's per-thread tiles, so it needs no head chunks, and no
+buffer of it grows with the branch (at 256k tokens, Note [Head chunks of local branches]'s
+chunks took 2 million page faults a step). The graph shows one node per local branch, role
+``attention_backward``; the rings' dq and dK/dV add into the same sums after them. Elsewhere
+(aten's kernel, CUDA, 16-bit, a bias) they run in head chunks, gathered (the Note above).
 
 Note [Rows of a ring branch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -143,6 +161,7 @@ import dataclasses
 
 import torch
 
+from . import cpu_kernel
 from .kernels import block_kernel
 from .dilation import last_dim
 from .layout import assemble, take_shard
@@ -266,7 +285,7 @@ class SitePlan:
         fits in ``max(LOCAL_CHUNK_BYTES, q)``; one chunk with dropout (a block's keep-mask is
         drawn over all its heads)."""
         local = [b.layout for b in self.branches if b.is_local]
-        if not local or self.dropout:
+        if not local or self.dropout or self.local_in_place:
             return [(slice(0, self.hq), slice(0, self.hkv))]
         item = torch.empty((), dtype=self.compute_dtype).element_size()
         budget = max(LOCAL_CHUNK_BYTES, self.batch * self.hq * self.n_local * self.d * item)
@@ -284,6 +303,20 @@ class SitePlan:
         return [
             (slice(j * kc * g, (j + 1) * kc * g), slice(j * kc, (j + 1) * kc)) for j in range(self.hkv // kc)
         ]
+
+    @property
+    def local_in_place(self) -> bool:
+        """Whether the local branches' backward reads their rows where they lie and adds their
+        gradients straight into the site's (Note [Local branches in place]): float32 on CPU with
+        ``flash_cpu.c`` built, no bias, band, documents or dropout, no padding."""
+        local = [b for b in self.branches if b.is_local]
+        if not local or self.dtype != torch.float32 or self.device != "cpu" or self.dropout:
+            return False
+        if self.band is not None or self.documents or self.pad:
+            return False
+        if any(self.needs_bias(b) or not b.layout.in_place for b in local):
+            return False
+        return cpu_kernel.available()
 
     def needs_bias(self, branch: BranchPlan) -> bool:
         # Padded keys sit after every real query, so causal attention never sees them.
@@ -825,6 +858,8 @@ def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, r
     """dq, dk, dv summed over the local branches and the rings' dilated dq (``_add_rings_dq``),
     one head chunk after another (Note [Head chunks of local branches]), and the buffers whose
     compute the rings' last dK/dV hops wait for."""
+    if plan.local_in_place:
+        return _local_in_place(plan, dol, ql, kl, vl, out, lse, rings)
     chunks = plan.local_chunks()
     if len(chunks) == 1:
         return _local_chunk(plan, *chunks[0], dol, ql, kl, vl, out, lse, ml, seed, docs, rings, ())
@@ -850,6 +885,24 @@ def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, r
             for total, x, heads in zip(totals, sums, (qh, kh, kh)):
                 torch.ops.ring_rewrite.write_heads(total, x.to(total.dtype), heads.start)
     return (*totals, totals)
+
+
+def _local_in_place(plan: SitePlan, dol, ql, kl, vl, out, lse, rings):
+    """``_local_backward`` where every local branch reads its rows in place and adds its
+    gradients into the site's (Note [Local branches in place])."""
+    local = [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
+    write = local[0][1].layout.r == 1  # it writes every position (no padding here)
+    with role("merge"):
+        new = torch.empty_like if write else torch.zeros_like
+        totals = [new(x, memory_format=torch.contiguous_format) for x in (ql, kl, vl)]
+    for j, (i, branch) in enumerate(local):
+        with role("attention_backward", branch=i):
+            torch.ops.ring_rewrite.dilated_block_backward(
+                *totals, dol, ql, kl, vl, out, lse, _fields(branch.layout), plan.scale, plan.is_causal,
+                write and j == 0,
+            )  # fmt: skip
+    dq = _add_rings_dq(plan, totals[0], rings, slice(0, plan.hq))
+    return dq, totals[1], totals[2], totals
 
 
 def _local_chunk(

@@ -20,7 +20,10 @@ per (batch, kv head), which owns its dK and dV. Backward tasks too few to give e
 tile's keys and its dQ share, which they then sum (one task on two threads ran at 45 % of
 ``torch.mm`` before, 90 to 100 % after). It writes ``out``, ``dq``, ``dk`` and ``dv``
 contiguous (aten's come in its own layout and were copied), reads GQA's kv heads in place and
-takes ``d != dv`` as they are.
+takes ``d != dv`` as they are. Its backward also reads and writes (or adds to) every operand at
+a layout of the caller's: a local branch's lattice rows inside the site's own tensors, segments
+as batches and each kernel head's offset of its own (``backward_in_place``; Note [Local
+branches in place] in ``attention.py``).
 
 It serves float32 blocks without a bias (``serves``): causal or full, which is every block of
 a site without a key mask, padding or band. The rest (float64, a bias) runs aten's kernel, as
@@ -45,7 +48,7 @@ import warnings
 
 import torch
 
-__all__ = ["serves", "forward", "backward"]
+__all__ = ["serves", "available", "forward", "backward", "backward_in_place"]
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "flash_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
@@ -98,9 +101,14 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"ring_rewrite: the CPU block kernel is not available ({e}); blocks run aten's flash kernel")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rr_flash_forward.argtypes = [ptr] * 8 + [i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.rr_flash_backward.argtypes = [ptr] * 15 + [i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rr_flash_forward.argtypes = [ptr] * 8 + [i64] * 9 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rr_flash_backward.argtypes = [ptr] * 18 + [i64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3
     return lib
+
+
+def available() -> bool:
+    """Whether ``flash_cpu.c`` is built (building it on the first call)."""
+    return _library() is not None
 
 
 def serves(*tensors: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -117,8 +125,13 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _strides(x: torch.Tensor) -> ctypes.Array:
-    return (ctypes.c_int64 * 3)(*x.stride()[:3])
+def _strides(x: torch.Tensor, layout: list[int] | None = None) -> ctypes.Array:
+    """``x``'s layout as the kernel reads it (``flash_cpu.c``'s header): by default its own
+    batch, row and head strides."""
+    if layout is None:
+        s0, s1, s2 = x.stride()[:3]
+        layout = [s0, 0, s2, *(h * s1 for h in range(x.shape[1]))]
+    return (ctypes.c_int64 * len(layout))(*layout)
 
 
 def query_tile(length: int) -> int:
@@ -141,7 +154,7 @@ def forward(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch
     lse = q.new_empty((b, hq, length))
     _library().rr_flash_forward(
         q.data_ptr(), _strides(q), k.data_ptr(), _strides(k), v.data_ptr(), _strides(v),
-        out.data_ptr(), lse.data_ptr(), *sizes, scale, is_causal, torch.get_num_threads(),
+        out.data_ptr(), lse.data_ptr(), *sizes, 1, scale, is_causal, torch.get_num_threads(),
     )  # fmt: skip
     return out, lse
 
@@ -153,10 +166,24 @@ def backward(dout, q, k, v, out, lse, scale: float, is_causal: bool):
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.empty(k.shape, dtype=k.dtype)
     dv = torch.empty(v.shape, dtype=v.dtype)
-    tensors = (dout, q, k, v, out, lse)
-    _library().rr_flash_backward(
-        *(a for t in tensors for a in (t.data_ptr(), _strides(t))),
-        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), *_sizes(q, k, v), scale, is_causal,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    tensors = (dout, q, k, v, out, lse, dq, dk, dv)
+    _backward([(t, _strides(t)) for t in tensors], _sizes(q, k, v), 1, scale, is_causal, False)
     return dq, dk, dv
+
+
+def backward_in_place(grads, inputs, layouts: list[list[int]], sizes: list[int], nseg: int, scale: float,
+                      is_causal: bool, accumulate: bool) -> None:  # fmt: skip
+    """One branch's blocks backward, every operand read and written where it lies: ``inputs``
+    ``(dout, q, k, v, out, lse)`` and ``grads`` ``(dq, dk, dv)`` (written, or with
+    ``accumulate`` added to) at the ``layouts`` of ``flash_cpu.c``'s header (``BranchLayout.
+    lattice``: the segments as batches, each kernel head's lattice offset); ``sizes`` as
+    ``_sizes`` gives them, of the kernel layout. Operands with unit stride in their last dim."""
+    tensors = (*inputs, *grads)
+    _backward([(t, _strides(t, s)) for t, s in zip(tensors, layouts)], sizes, nseg, scale, is_causal, accumulate)
+
+
+def _backward(operands, sizes: list[int], nseg: int, scale: float, is_causal: bool, accumulate: bool) -> None:
+    _library().rr_flash_backward(
+        *(a for t, st in operands for a in (t.data_ptr(), st)), *sizes, nseg, scale, is_causal,
+        accumulate, torch.get_num_threads(),
+    )  # fmt: skip

@@ -178,6 +178,21 @@ class BranchLayout:
             y = x6[:, :, head, off]
         return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, last_dim(y, self.batch))
 
+    @property
+    def in_place(self) -> bool:
+        """Whether a block kernel can read this layout's rows where they lie and add their
+        gradients there (``lattice``): no padding, and no two kernel kv heads on the same rows
+        (kernel heads run in parallel)."""
+        kv = _pairs(self, True)
+        return self.padded == self.n and len(set(kv)) == len(kv)
+
+    def lattice(self, x: torch.Tensor, *, kv: bool) -> list[int]:
+        """Where the kernel layout's rows of ``x (B, H, n[, C])`` lie in ``x`` itself, as
+        ``flash_cpu.c`` reads them (``in_place`` layouts): element strides of a batch, a
+        segment and a row, then each kernel head's first row, its head and lattice offset."""
+        s0, s1, s2 = x.stride()[:3]
+        return [s0, self.seg * s2, self.r * s2, *(h * s1 + o * s2 for h, o in _pairs(self, kv))]
+
     def gathered_shape(self, batch: int, channels: int, *, kv: bool, rows: bool) -> tuple[int, ...]:
         """Shape of ``gather``'s result for an input of ``batch`` and ``channels``."""
         heads = self.kv_heads if kv else self.hq

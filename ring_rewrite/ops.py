@@ -16,6 +16,11 @@ attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the s
 block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
+``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale, is_causal, write)``
+is a local branch's blocks backward reading its rows where they lie and adding (with ``write``:
+writing) its gradients into the site's, in place (Note [Local branches in place] in
+``attention.py``).
+
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
 ``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back,
 in place (Note [Gradient sums as calls] there). ``after(x, deps)`` and ``write_heads(total, x,
@@ -35,12 +40,13 @@ import operator
 
 import torch
 
+from . import cpu_kernel
 from .dilation import BranchLayout
 from .kernels import block_kernel, dropout_backward, dropout_forward
 
 __all__ = [
-    "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "documents", "stat_dtype",
-    "undilate_add", "write_heads",
+    "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "dilated_block_backward",
+    "documents", "stat_dtype", "undilate_add", "write_heads",
 ]  # fmt: skip
 
 
@@ -280,6 +286,37 @@ def undilate_add(
     lay = BranchLayout(*layout)
     heads = total.narrow(1, start, lay.hkv if kv else lay.hq)
     lay.scatter_add(heads, y, kv=kv, rows=rows, zero=zero)
+
+
+@torch.library.custom_op("ring_rewrite::dilated_block_backward", mutates_args=("dq", "dk", "dv"))
+def dilated_block_backward(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layout: list[int], scale: float, is_causal: bool,
+    write: bool,
+) -> None:  # fmt: skip
+    """The backward of a local branch (``layout``, one block per segment, no bias) over the
+    site's ``q, k, v (B, H, n, C)``, ``dout``, merged ``out`` and ``lse (B, Hq, n)``: its
+    ``dq, dk, dv`` added into the site's (with ``write``: written, every position of the
+    layout's heads, which then must be all of them: rate 1), in place. ``flash_cpu.c`` reads and
+    writes the rows where they lie (``BranchLayout.lattice``); elsewhere the rows are gathered,
+    run through the block kernel and added back."""
+    lay = BranchLayout(*layout)
+    operands = (dout, q, k, v, out, lse, dq, dk, dv)
+    if cpu_kernel.serves(*operands, bias=None) and all(x.stride(-1) == 1 for x in operands) and lay.in_place:
+        kinds = (False, False, True, True, False, False, False, True, True)  # kv rows?
+        layouts = [lay.lattice(x, kv=kv) for x, kv in zip(operands, kinds)]
+        sizes = [lay.batch * lay.nseg, lay.hq, lay.kv_heads, lay.m, lay.m, q.shape[-1], v.shape[-1]]
+        sizes.append(cpu_kernel.query_tile(lay.m))
+        cpu_kernel.backward_in_place(
+            (dq, dk, dv), (dout, q, k, v, out, lse), layouts, sizes, lay.nseg, scale, is_causal, not write
+        )
+        return
+    qd, dod, od = (lay.gather(x) for x in (q, dout, out))
+    kd, vd = (lay.gather(x, kv=True) for x in (k, v))
+    lsed = lay.gather(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
+    grads = block_kernel(q.device).backward(dod, qd, kd, vd, od, lsed, None, scale, is_causal)
+    for total, g, kv in zip((dq, dk, dv), grads, (False, True, True)):
+        lay.scatter_add(total, g, kv=kv, zero=write)
 
 
 @torch.library.custom_op("ring_rewrite::documents", mutates_args=())

@@ -18,7 +18,9 @@ and backward bodies. Three facts of the generated code set it:
   backward runs in ``C`` head chunks (Note [Head chunks of local branches] there), the site's
   dq, dk, dv exist from the first chunk on, and each chunk sums into its heads of them in place
   (the rings' dq of those heads too), or, where the sums are wider than the inputs, into
-  buffers of its own heads, cast into the site's once done.
+  buffers of its own heads, cast into the site's once done. Where the local branches run in
+  place (float32 on CPU, Note [Local branches in place] there), they hold nothing but the
+  site's dq, dk, dv, which their blocks write and add to.
 * Ring branches run first and in order (the token chains their transfers). Local branches need
   no token and come after them; forward, in an order inductor picks for a low peak
   (``memory.py``'s ``reorder_for_peak_memory``), counted here as the order that holds least: the
@@ -42,6 +44,8 @@ So the backward peak is ``saved`` plus the largest of
 * a local branch running: the rings' gradients, the sums so far, its dilated copies (the same,
   K/V in the compute dtype), its kernel's gradients and scratch;
 * a branch's gradients being added: the sums (the new ones too) beside them;
+* with the local branches in place (Note [Local branches in place] there), in place of the
+  local branches: the rings' gradients and the site's dq, dk, dv;
 * with local head chunks, in place of the local branches: the rings' gradients, the site's
   dq, dk, dv (dk, dv in ``stat_dtype`` where rings add to them last), a chunk's own sums where
   they are wider than the inputs, and ``1 / C`` of one local branch running;
@@ -393,7 +397,11 @@ def _backward_peak(plan: SitePlan) -> int:
         peak = max(peak, held + result * (chunks - 1) // chunks + work)
         held += result
     chunks = len(plan.local_chunks()) if local else 1
-    if chunks == 1:
+    if plan.local_in_place:
+        # The site's dq, dk, dv, which the local blocks write and add to where they lie; the
+        # rings' dq and, once home, dK/dV add to them in place.
+        peak = max(peak, held + sum(grads))
+    elif chunks == 1:
         for branch in local:
             result = _branch_grads(plan, branch)
             peak = max(peak, held + sum(have) + result + _local_work(plan, branch, True))

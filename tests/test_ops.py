@@ -175,6 +175,52 @@ def test_undilate_add_is_the_layouts_scatter_add_in_place():
                 torch.library.opcheck(torch.ops.ring_rewrite.undilate_add, args)
 
 
+# (w, r, n, batch, hq, hkv, head0): segments as batches at rate 1 (GQA, the branch that writes);
+# kv heads shared by the query heads of an offset (g = 2 = r); one kv head per query head with
+# head offsets from 1 (g = 2 < r = 4); one segment; two query heads of a kv head on the same
+# rows (g = 3 > r = 2: not in place, gathered).
+IN_PLACE_LAYOUTS = [
+    [8, 1, 32, 2, 4, 2, 0], [16, 2, 32, 2, 4, 2, 0], [16, 4, 32, 1, 4, 2, 1], [32, 2, 32, 1, 3, 3, 0],
+    [8, 2, 32, 1, 6, 2, 0],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("fields", IN_PLACE_LAYOUTS, ids=lambda f: "w{}r{}b{}h{}kv{}o{}".format(*f[:2], *f[3:]))
+def test_dilated_block_backward_adds_a_branchs_gradients_in_place(fields, is_causal):
+    """A local branch's backward read where its rows lie and added into the site's gradients
+    (Note [Local branches in place] in ``attention.py``) is the gathered one (float64, aten's
+    kernel, ``BranchLayout.scatter_add``), on inputs laid out ``(B, N, H, D)`` as a model's
+    projections are; with ``write`` (rate 1) the totals are written."""
+    from ring_rewrite import cpu_kernel
+    from ring_rewrite.dilation import BranchLayout
+
+    layout = BranchLayout(*fields)
+    b, n, hq, hkv, d, dv = layout.batch, layout.n, layout.hq, layout.hkv, 8, 6
+
+    def rows(heads, c):  # (B, H, n, C) with the heads inside the rows, as a projection gives
+        return torch.randn(b, n, heads, c).transpose(1, 2)
+
+    q, k, v, dout, out = rows(hq, d), rows(hkv, d), rows(hkv, dv), rows(hq, dv), rows(hq, dv)
+    lse = 2 + 2 * torch.rand(b, hq, n)  # any finite lse: the formula, not one softmax
+    for write in (False, True) if layout.r == 1 else (False,):
+        totals = [torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, dv)]
+        want = [t.double() for t in totals]
+        ins = [x.double() for x in (dout, q, k, v, out, lse)]
+        assert not cpu_kernel.serves(*ins, bias=None)  # float64: gathered, aten's kernel
+        torch.ops.ring_rewrite.dilated_block_backward(*want, *ins, fields, 0.35, is_causal, write)
+        torch.ops.ring_rewrite.dilated_block_backward(*totals, dout, q, k, v, out, lse, fields, 0.35, is_causal, write)
+        for got, expected in zip(totals, want):
+            assert rel_err(got, expected) < 1e-5
+        if write:  # every position written, none added to
+            fresh = [torch.full_like(t, float("nan")) for t in totals]
+            torch.ops.ring_rewrite.dilated_block_backward(*fresh, dout, q, k, v, out, lse, fields, 0.35, is_causal, True)
+            assert all(torch.equal(a, c) for a, c in zip(fresh, totals))
+    assert layout.in_place == (fields != IN_PLACE_LAYOUTS[-1])
+    args = ([torch.zeros_like(t) for t in totals], dout, q, k, v, out, lse, fields, 0.35, is_causal, False)
+    torch.library.opcheck(torch.ops.ring_rewrite.dilated_block_backward, (*args[0], *args[1:]))
+
+
 # ---- forward -----------------------------------------------------------------------------------
 
 

@@ -91,8 +91,10 @@ def _cases(rank, world, cases, compiler, chunk_bytes=None):
             assert rings and all(plan.head_chunks(b) > 1 for b in rings), case
             if chunk_bytes == 1:
                 assert all(plan.head_chunks(b) == b.layout.kv_heads for b in rings), case
-                # and the local branches' backward one kv head at a time, after the rings'
-                assert len(plan.local_chunks()) == plan.hkv > 1, case
+                # and the local branches' backward one kv head at a time, after the rings', but
+                # where they run in place (Note [Local branches in place]: no chunks)
+                chunks = 1 if plan.local_in_place else plan.hkv
+                assert plan.hkv > 1 and len(plan.local_chunks()) == chunks, case
 
 
 # (segment_lengths, dilation_rates, causal, sharding, layout, Hq, Hkv, N)
@@ -137,13 +139,13 @@ def test_ring_matches_reference(world, cases, compiler, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "world, cases, chunk_bytes", [(2, CASES_P2[2:4], 1), (4, CASES_P4[2:3], 2048)], ids=["P2", "P4"]
+    "world, cases, chunk_bytes", [(2, [CASES_P2[3], CASES_P2[5]], 1), (4, CASES_P4[2:3], 2048)], ids=["P2", "P4"]
 )
 def test_ring_in_head_chunks_matches_reference(world, cases, chunk_bytes, monkeypatch):
     # Ring branches in head chunks (Note [Head chunks]): at P = 2 as many as the dilated kv heads
-    # allow, and the local branches' backward in one chunk per kv head (Note [Head chunks of
-    # local branches]); at P = 4 two per ring branch (4 KiB and 8 KiB messages), which compiles
-    # in half the time.
+    # allow, and with a key mask the local branches' backward in one chunk per kv head (Note
+    # [Head chunks of local branches]; without, they run in place); at P = 4 two per ring branch
+    # (4 KiB and 8 KiB messages), which compiles in half the time.
     monkeypatch.setenv(CHECK, "1")
     run_ranks(world, _cases, cases, "inductor", chunk_bytes)
 

@@ -150,7 +150,7 @@ def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeyp
 
 _START = re.compile(r"torch\.ops\.ring_rewrite\.ring_shift_start\.default\(.*, (\d+)\)$")
 _WAIT = re.compile(r"torch\.ops\.ring_rewrite\.ring_shift_wait\.default\(.*, (\d+), \[[^\[\]]*\]\)$")
-_BLOCK = re.compile(r"torch\.ops\.ring_rewrite\.block_attention(_backward)?\.default\(")
+_BLOCK = re.compile(r"torch\.ops\.ring_rewrite\.(block_attention(_backward)?|dilated_block_backward)\.default\(")
 _ALLOC = re.compile(r"empty_strided_cpu\(\(([\d, ]*)\), \(([\d, ]*)\)")
 
 # Sites compiled by inductor on a fake process group of 2 ranks: (config, heads q/kv, local

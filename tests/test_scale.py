@@ -82,22 +82,24 @@ def test_a_config_the_shards_cannot_carry_raises():
 
 
 def test_memory_of_branches_summed_in_place():
-    """Two local branches at P = 1 (Note [Memory of a site]): each branch's gradients are added
-    to the site's sums once computed, so the backward peak is the saved out and lse, the sums
-    (dq, dk, dv in float32) and the second branch running: at rate 2 its dilated copies (q, dout,
-    out at half the rows, their lse, and K/V per query head: kv rows as many as q rows) and its
-    dq, dk, dv, which the CPU kernel writes contiguous (Note [The CPU block kernel]); in float64
-    aten's kernel runs it, and the largest gradient is held beside its contiguous copy."""
-    for dtype, item, copy in ((torch.float32, 4, 0), (torch.float64, 8, 1)):
+    """Two local branches at P = 1 (Note [Memory of a site]). In float64 (aten's kernel) each
+    branch's gradients are added to the site's sums once computed, so the backward peak is the
+    saved out and lse, the sums (dq, dk, dv) and the second branch running: at rate 2 its dilated
+    copies (q, dout, out at half the rows, their lse, and K/V per query head: kv rows as many as
+    q rows), its dq, dk, dv, and the largest beside its contiguous copy. In float32 the CPU
+    kernel reads every branch's rows in place and adds into the site's dq, dk, dv (Note [Local
+    branches in place]): the peak is the saved tensors and those."""
+    for dtype, item in ((torch.float32, 4), (torch.float64, 8)):
         site = ring_rewrite.plan(
             64, 1, heads=2, head_dim=8, dtype=dtype, device="cpu", segment_lengths=[16, 64],
             dilation_rates=[1, 2],
         ).site  # fmt: skip
+        assert site.local_in_place == (dtype == torch.float32)
         q = 2 * 64 * 8 * item  # bytes of q, and of out, dq, dk, dv
         saved = q + 2 * 64 * item
         half = q // 2  # one q-sized tensor at rate 2
         copies = 3 * half + 2 * 32 * item + 2 * half
-        peak = saved + 3 * q + 3 * half + copies + copy * half
+        peak = saved + 3 * q + (0 if site.local_in_place else 3 * half + copies + half)
         assert attention_memory_bytes(site) == {"saved": saved, "peak": peak}
 
 

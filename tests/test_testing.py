@@ -89,11 +89,11 @@ def test_graph_diff_counts_removed_and_added_nodes():
     assert added["autograd_function_apply"] == 1 and added["invoke_subgraph"] == 2
     assert added["get_attr"] == 4
     assert added["ring_rewrite.block_attention"] == 2  # one per branch
-    assert added["ring_rewrite.block_attention_backward"] == 2
+    assert added["ring_rewrite.dilated_block_backward"] == 2  # float32 on CPU: in place
     assert diff.ops_changed["scaled_dot_product_attention"] == (2, 1)
     roles = diff.added_by_role
     assert [n.role for n in diff.added if n.module == ""] == ["site"] * 3
-    assert {"dilate", "attention", "undilate", "merge", "attention_backward"} <= set(roles)
+    assert {"dilate", "attention", "merge", "attention_backward"} <= set(roles)
     rewritten, alone = diff.sites
     assert (rewritten.site, rewritten.rewritten, rewritten.attention) == (0, True, (2, 2))
     assert rewritten.removed == {"scaled_dot_product_attention": 1}
@@ -161,7 +161,13 @@ def test_capture_aot_forward_and_backward_graphs():
     ops = lambda gm: {  # noqa: E731  (the site bodies are invoke_subgraph modules)
         testing.op_label(n) for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
     }
-    assert "ring_rewrite.block_attention" in ops(fw) and "ring_rewrite.block_attention_backward" in ops(bw)
+    # A mutating op shows functionalized in AOT graphs: the in-place local backward (float32 on
+    # CPU, Note [Local branches in place]).
+    mutated = {
+        str(n.args[0]) for m in bw.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
+        if testing.op_label(n) == "auto_functionalized_v2"
+    }  # fmt: skip
+    assert "ring_rewrite.block_attention" in ops(fw) and "ring_rewrite.dilated_block_backward.default" in mutated
     assert q.grad is not None
     with pytest.raises(ValueError, match="no output of the model requires grad"):
         capture(causal, *(t.detach() for t in (q, k, v)), backward=True)

@@ -19,10 +19,14 @@
  * chunks often run) are shared by every thread instead, each query tile's keys cut in slices.
  *
  * Tensors: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), dout and out (B, Hq, L, Dv),
- * lse (B, Hq, L), each with unit stride in its last dim and any other strides (elements; a
- * row stride must fit an int); GQA by head groups (query head h reads kv head h / (Hq / Hkv)).
- * out, dq, dk, dv are written contiguous. Causal is top-left: row i sees keys 0..i.
- * A backward row whose lse is +inf (nothing to attend) contributes nothing.
+ * lse (B, Hq, L), each with unit stride in its last dim; GQA by head groups (query head h reads
+ * kv head h / (Hq / Hkv)). Each tensor but the forward's out and lse (written contiguous) comes
+ * with a layout `st` (elements): batch b, head h, row i at b / nseg * st[0] + b % nseg * st[1] +
+ * st[3 + h] + i * st[2]. A plain tensor has nseg = 1 and st[3 + h] = h times its head stride; a
+ * dilated branch's rows read in place have the segments as batches and each head's lattice
+ * offset in st[3 + h] (a row stride must fit an int). The backward writes dq, dk, dv, or with
+ * `accumulate` adds to them (no two kv heads' rows may then be the same). Causal is top-left:
+ * row i sees keys 0..i. A backward row whose lse is +inf (nothing to attend) contributes nothing.
  */
 #include <math.h>
 #include <omp.h>
@@ -69,6 +73,11 @@ static inline float exp_neg(float x) {
     return p * s.f;
 }
 
+/* Element offset of batch b, head h, row i of a tensor of layout st (as in the header). */
+static inline int64_t at(const int64_t *st, int64_t nseg, int64_t b, int64_t h, int64_t i) {
+    return b / nseg * st[0] + b % nseg * st[1] + st[3 + h] + i * st[2];
+}
+
 /* The number of keys of tile [n, n + kb) that query row `row` sees (0 to kb). */
 static inline int64_t seen(int causal, int64_t row, int64_t n, int64_t kb) {
     if (!causal) return kb;
@@ -79,7 +88,7 @@ static inline int64_t seen(int causal, int64_t row, int64_t n, int64_t kb) {
 void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const int64_t *ks,
                       const float *v, const int64_t *vs, float *out, float *lse, int64_t B,
                       int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t D, int64_t Dv,
-                      int64_t TQ, float scale, int causal, int threads) {
+                      int64_t TQ, int64_t nseg, float scale, int causal, int threads) {
     const int64_t tiles = (L + TQ - 1) / TQ, group = Hq / Hkv;
 #pragma omp parallel num_threads(threads)
     {
@@ -89,8 +98,8 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
         for (int64_t task = 0; task < B * Hq * tiles; task++) {
             const int64_t b = task / (Hq * tiles), h = task / tiles % Hq, m = task % tiles * TQ;
             const int64_t tq = L - m < TQ ? L - m : TQ, hk = h / group;
-            const float *qt = q + b * qs[0] + h * qs[1] + m * qs[2];
-            const float *kh = k + b * ks[0] + hk * ks[1], *vh = v + b * vs[0] + hk * vs[1];
+            const float *qt = q + at(qs, nseg, b, h, m);
+            const float *kh = k + at(ks, nseg, b, hk, 0), *vh = v + at(vs, nseg, b, hk, 0);
             const int64_t bound = causal ? (m + tq < S ? m + tq : S) : S;
             for (int64_t r = 0; r < tq; r++) mx[r] = -INFINITY, sum[r] = 0.0f;
             for (int64_t n = 0; n < bound; n += TK) {
@@ -133,11 +142,11 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
 /* The backward's operands (strides in elements, as in the header). */
 struct grads {
     const float *dout, *q, *k, *v, *out, *lse;
-    const int64_t *dos, *qs, *ks, *vs, *os, *ls;
+    const int64_t *dos, *qs, *ks, *vs, *os, *ls, *dqs, *dks, *dvs;
     float *dq, *dk, *dv;
-    int64_t B, Hq, Hkv, L, S, D, Dv, TQ;
+    int64_t B, Hq, Hkv, L, S, D, Dv, TQ, nseg;
     float scale;
-    int causal;
+    int causal, accumulate;
 };
 
 /* Per thread: P and dP tiles, a tile's rowsum(dO O) and lse, and (shared tasks) its dQ share. */
@@ -157,9 +166,9 @@ static inline int64_t key_bound(const struct grads *a, int64_t m, int64_t tq) {
 
 /* rowsum(dO O) and lse of query rows [m, m + tq) of head h into w. */
 static void tile_stats(const struct grads *a, struct scratch *w, int64_t b, int64_t h, int64_t m, int64_t tq) {
-    const float *dot = a->dout + b * a->dos[0] + h * a->dos[1] + m * a->dos[2];
-    const float *ot = a->out + b * a->os[0] + h * a->os[1] + m * a->os[2];
-    const float *lt = a->lse + b * a->ls[0] + h * a->ls[1] + m * a->ls[2];
+    const float *dot = a->dout + at(a->dos, a->nseg, b, h, m);
+    const float *ot = a->out + at(a->os, a->nseg, b, h, m);
+    const float *lt = a->lse + at(a->ls, a->nseg, b, h, m);
     for (int64_t r = 0; r < tq; r++) {
         float s = 0.0f;
         for (int64_t c = 0; c < a->Dv; c++) s += dot[r * a->dos[2] + c] * ot[r * a->os[2] + c];
@@ -169,14 +178,15 @@ static void tile_stats(const struct grads *a, struct scratch *w, int64_t b, int6
 }
 
 /* Query rows [m, m + tq) of head h against keys [k0, k1) (k0 < k1): their share of dK and dV
- * added to the kv head's rows (dkh, dvh: that head's, contiguous), their dQ share written to
- * dqt (ld D). Needs tile_stats of the rows in w. */
+ * added to the kv head's rows (dkh, dvh: that head's first, in dk's and dv's layouts), their dQ
+ * share written (`add`: added) to dqt (ld ldq). Needs tile_stats of the rows in w. */
 static void tile_backward(const struct grads *a, struct scratch *w, int64_t b, int64_t h, int64_t m,
-                          int64_t tq, int64_t k0, int64_t k1, float *dkh, float *dvh, float *dqt) {
-    const int64_t hk = h / (a->Hq / a->Hkv), D = a->D, Dv = a->Dv;
-    const float *kh = a->k + b * a->ks[0] + hk * a->ks[1], *vh = a->v + b * a->vs[0] + hk * a->vs[1];
-    const float *qt = a->q + b * a->qs[0] + h * a->qs[1] + m * a->qs[2];
-    const float *dot = a->dout + b * a->dos[0] + h * a->dos[1] + m * a->dos[2];
+                          int64_t tq, int64_t k0, int64_t k1, float *dkh, float *dvh, float *dqt,
+                          int64_t ldq, int add) {
+    const int64_t hk = h / (a->Hq / a->Hkv), D = a->D, Dv = a->Dv, ldk = a->dks[2], ldv = a->dvs[2];
+    const float *kh = a->k + at(a->ks, a->nseg, b, hk, 0), *vh = a->v + at(a->vs, a->nseg, b, hk, 0);
+    const float *qt = a->q + at(a->qs, a->nseg, b, h, m);
+    const float *dot = a->dout + at(a->dos, a->nseg, b, h, m);
     float *p = w->p, *dp = w->dp;
     for (int64_t n = k0; n < k1; n += TK) {
         const int64_t kb = k1 - n < TK ? k1 - n : TK;
@@ -194,25 +204,32 @@ static void tile_backward(const struct grads *a, struct scratch *w, int64_t b, i
             }
             for (int64_t c = lim; c < kb; c++) pr[c] = 0.0f, dr[c] = 0.0f;
         }
-        gemm('N', 'T', Dv, kb, tq, 1.0f, dot, a->dos[2], p, TK, 1.0f, dvh + n * Dv, Dv);
-        gemm('N', 'N', D, tq, kb, a->scale, kh + n * a->ks[2], a->ks[2], dp, TK, n > k0 ? 1.0f : 0.0f,
-             dqt, D);
-        gemm('N', 'T', D, kb, tq, a->scale, qt, a->qs[2], dp, TK, 1.0f, dkh + n * D, D);
+        gemm('N', 'T', Dv, kb, tq, 1.0f, dot, a->dos[2], p, TK, 1.0f, dvh + n * ldv, ldv);
+        gemm('N', 'N', D, tq, kb, a->scale, kh + n * a->ks[2], a->ks[2], dp, TK,
+             add || n > k0 ? 1.0f : 0.0f, dqt, ldq);
+        gemm('N', 'T', D, kb, tq, a->scale, qt, a->qs[2], dp, TK, 1.0f, dkh + n * ldk, ldk);
     }
+}
+
+/* Zeroes rows [lo, hi) of n channels from x on, ld apart. */
+static void zero_rows(float *x, int64_t lo, int64_t hi, int64_t n, int64_t ld) {
+    for (int64_t r = lo; r < hi; r++) memset(x + r * ld, 0, sizeof(float) * n);
 }
 
 /* A (batch, kv head) on one thread: every query head of its group, every tile, its own dK, dV. */
 static void own_task(const struct grads *a, struct scratch *w, int64_t task) {
     const int64_t b = task / a->Hkv, hk = task % a->Hkv, group = a->Hq / a->Hkv;
-    float *dkh = a->dk + task * a->S * a->D, *dvh = a->dv + task * a->S * a->Dv;
-    memset(dkh, 0, sizeof(float) * a->S * a->D);
-    memset(dvh, 0, sizeof(float) * a->S * a->Dv);
+    float *dkh = a->dk + at(a->dks, a->nseg, b, hk, 0), *dvh = a->dv + at(a->dvs, a->nseg, b, hk, 0);
+    if (!a->accumulate) {
+        zero_rows(dkh, 0, a->S, a->D, a->dks[2]);
+        zero_rows(dvh, 0, a->S, a->Dv, a->dvs[2]);
+    }
     for (int64_t h = hk * group; h < (hk + 1) * group; h++)
         for (int64_t m = 0; m < a->L; m += a->TQ) {
             const int64_t tq = a->L - m < a->TQ ? a->L - m : a->TQ;
             tile_stats(a, w, b, h, m, tq);
             tile_backward(a, w, b, h, m, tq, 0, key_bound(a, m, tq), dkh, dvh,
-                          a->dq + ((b * a->Hq + h) * a->L + m) * a->D);
+                          a->dq + at(a->dqs, a->nseg, b, h, m), a->dqs[2], a->accumulate);
         }
 }
 
@@ -229,11 +246,13 @@ static void slice(int64_t n, int t, int nt, int64_t align, int64_t *lo, int64_t 
 static void shared_task(const struct grads *a, struct scratch *w, struct scratch *all, int t, int nt,
                         int64_t task, int *wrote) {
     const int64_t b = task / a->Hkv, hk = task % a->Hkv, group = a->Hq / a->Hkv, D = a->D;
-    float *dkh = a->dk + task * a->S * D, *dvh = a->dv + task * a->S * a->Dv;
+    float *dkh = a->dk + at(a->dks, a->nseg, b, hk, 0), *dvh = a->dv + at(a->dvs, a->nseg, b, hk, 0);
     int64_t lo, hi;
-    slice(a->S, t, nt, 1, &lo, &hi);
-    memset(dkh + lo * D, 0, sizeof(float) * (hi - lo) * D);
-    memset(dvh + lo * a->Dv, 0, sizeof(float) * (hi - lo) * a->Dv);
+    if (!a->accumulate) {
+        slice(a->S, t, nt, 1, &lo, &hi);
+        zero_rows(dkh, lo, hi, D, a->dks[2]);
+        zero_rows(dvh, lo, hi, a->Dv, a->dvs[2]);
+    }
 #pragma omp barrier
     for (int64_t h = hk * group; h < (hk + 1) * group; h++)
         for (int64_t m = 0; m < a->L; m += a->TQ) {
@@ -242,14 +261,15 @@ static void shared_task(const struct grads *a, struct scratch *w, struct scratch
             wrote[t] = lo < hi;
             if (lo < hi) {
                 tile_stats(a, w, b, h, m, tq);
-                tile_backward(a, w, b, h, m, tq, lo, hi, dkh, dvh, w->dq);
+                tile_backward(a, w, b, h, m, tq, lo, hi, dkh, dvh, w->dq, D, 0);
             }
 #pragma omp barrier
-            float *dqt = a->dq + ((b * a->Hq + h) * a->L + m) * D;
+            float *dqt = a->dq + at(a->dqs, a->nseg, b, h, m);
             slice(tq, t, nt, 1, &lo, &hi);
             for (int64_t r = lo; r < hi; r++) {
-                float *row = dqt + r * D;
-                for (int64_t c = 0; c < D; c++) row[c] = 0.0f;
+                float *row = dqt + r * a->dqs[2];
+                if (!a->accumulate)
+                    for (int64_t c = 0; c < D; c++) row[c] = 0.0f;
                 for (int u = 0; u < nt; u++)
                     if (wrote[u])
                         for (int64_t c = 0; c < D; c++) row[c] += all[u].dq[r * D + c];
@@ -261,11 +281,12 @@ static void shared_task(const struct grads *a, struct scratch *w, struct scratch
 void rr_flash_backward(const float *dout, const int64_t *dos, const float *q, const int64_t *qs,
                        const float *k, const int64_t *ks, const float *v, const int64_t *vs,
                        const float *out, const int64_t *os, const float *lse, const int64_t *ls,
-                       float *dq, float *dk, float *dv, int64_t B, int64_t Hq, int64_t Hkv,
-                       int64_t L, int64_t S, int64_t D, int64_t Dv, int64_t TQ, float scale, int causal,
-                       int threads) {
-    const struct grads a = {dout, q, k, v, out, lse, dos, qs, ks, vs, os, ls, dq, dk, dv,
-                            B, Hq, Hkv, L, S, D, Dv, TQ, scale, causal};
+                       float *dq, const int64_t *dqs, float *dk, const int64_t *dks, float *dv,
+                       const int64_t *dvs, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S,
+                       int64_t D, int64_t Dv, int64_t TQ, int64_t nseg, float scale, int causal,
+                       int accumulate, int threads) {
+    const struct grads a = {dout, q, k, v, out, lse, dos, qs, ks, vs, os, ls, dqs, dks, dvs,
+                            dq, dk, dv, B, Hq, Hkv, L, S, D, Dv, TQ, nseg, scale, causal, accumulate};
     struct scratch *all = malloc(sizeof(struct scratch) * threads);
     int *wrote = malloc(sizeof(int) * threads);
 #pragma omp parallel num_threads(threads)

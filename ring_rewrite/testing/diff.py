@@ -18,7 +18,8 @@ from .schedule import P2P
 __all__ = ["GraphDiff", "NodeInfo", "SiteSummary", "graph_diff"]
 
 ATTENTION = "ring_rewrite.block_attention"
-ATTENTION_BWD = "ring_rewrite.block_attention_backward"
+# A local branch run in place is one node for all of its blocks (Note [Local branches in place]).
+ATTENTION_BWD = ("ring_rewrite.block_attention_backward", "ring_rewrite.dilated_block_backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +69,8 @@ class SiteSummary:
     added_by_role: dict[str, int]
     """Nodes added for the site, subgraphs included, by role."""
     attention: tuple[int, int]
-    """``block_attention`` nodes in the forward, ``block_attention_backward`` in the backward."""
+    """``block_attention`` nodes in the forward; ``block_attention_backward`` and
+    ``dilated_block_backward`` in the backward."""
     transfers: tuple[int, int]
     """Ring transfers (send/recv and gathers) in the forward and the backward subgraph."""
 
@@ -267,7 +269,7 @@ def _site_summaries(
                 added_by_role=dict(collections.Counter(n.role or "(no role)" for n in mine)),
                 attention=(
                     sum(n.op == ATTENTION for n in fwd),
-                    sum(n.op == ATTENTION_BWD for n in bwd),
+                    sum(n.op in ATTENTION_BWD for n in bwd),
                 ),
                 transfers=(sum(n.op in P2P for n in fwd), sum(n.op in P2P for n in bwd)),
             )
