@@ -71,7 +71,8 @@ def test_what_replaced_the_attention(ring_graphs):
     assert diff.added_by_op["autograd_function_apply"] == 1  # one node per rewritten site
     (site, _) = diff.sites
     assert site.attention == (2, 2)  # a block attention per branch, forward and backward
-    assert {"dilate", "attention", "undilate", "merge"} <= set(site.added_by_role)
+    # float32 on CPU: the kernel reads each branch's dilated rows in place (no "dilate" nodes)
+    assert {"attention", "undilate", "merge"} <= set(site.added_by_role)
 
 
 def test_rewritten_graph_is_the_stored_one(ring_graphs):

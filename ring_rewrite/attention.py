@@ -61,16 +61,20 @@ A local branch's rows are a lattice of the site's own: per kernel head, segment 
 every ``r``-th row from the head's offset, one stride apart. ``flash_cpu.c`` reads any operand
 at such a layout (``BranchLayout.lattice``: segments as batches, each kernel head's first row),
 and writes or adds its gradients at one too. So where it runs every local block (float32 on CPU,
-no bias, band, documents or dropout, no padding, and no two kernel kv heads on the same rows),
-a local branch's backward is one call of ``ops.dilated_block_backward``: it reads the site's q,
-k, v, dout, out and lse where they lie and adds its dq, dk, dv into the site's, in place; the
-first branch, at rate 1, writes them (else they start at zero). Nothing is gathered, no
-gradient of the branch exists on its own, and nothing is summed afterwards: the backward holds
-the site's dq, dk, dv and the kernel's per-thread tiles, so it needs no head chunks, and no
-buffer of it grows with the branch (at 256k tokens, Note [Head chunks of local branches]'s
-chunks took 2 million page faults a step). The graph shows one node per local branch, role
-``attention_backward``; the rings' dq and dK/dV add into the same sums after them. Elsewhere
-(aten's kernel, CUDA, 16-bit, a bias) they run in head chunks, gathered (the Note above).
+no bias, band, documents or dropout, no padding, and no two kernel kv heads on the same rows:
+``SitePlan.local_in_place``), a local branch is one call each way, and nothing of it is
+gathered. Forward, ``ops.dilated_block_attention`` reads the site's q, k, v where they lie and
+returns the branch's out and lse as ``block_attention`` would (the merge reads them as before).
+Backward, ``ops.dilated_block_backward`` reads q, k, v, dout, out and lse where they lie and adds
+the branch's dq, dk, dv into the site's, in place; the first branch, at rate 1, writes them
+(else they start at zero). No gradient of a branch exists on its own and nothing is summed
+afterwards: the backward holds the site's dq, dk, dv and the kernel's per-thread tiles, so it
+needs no head chunks, and no buffer of it grows with the branches (at 256k tokens, Note [Head
+chunks of local branches]'s chunks took 2 million page faults a step; single-device LongNet
+peak 4.52 -> 4.02 ``q``-sized). The graph shows one node per local branch each way, roles
+``attention`` and ``attention_backward``; the rings' dq and dK/dV add into the same sums after
+them. Elsewhere (aten's kernel, CUDA, 16-bit, a bias) they are gathered, and the backward runs in
+head chunks (the Note above).
 
 Note [Rows of a ring branch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -678,7 +682,12 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     outs, lses = [], []
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
-        if branch.is_local:
+        if branch.is_local and plan.local_in_place:
+            with role("attention", branch=i):
+                od, lsed = torch.ops.ring_rewrite.dilated_block_attention(
+                    ql, kl, vl, _fields(layout), plan.scale, plan.is_causal
+                )
+        elif branch.is_local:
             with role("dilate", branch=i):
                 (qd,) = _dilated(plan, layout, ql)
                 kd, vd = _dilated(plan, layout, kl, vl, kv=True)

@@ -48,7 +48,7 @@ import warnings
 
 import torch
 
-__all__ = ["serves", "available", "forward", "backward", "backward_in_place"]
+__all__ = ["serves", "available", "forward", "forward_in_place", "backward", "backward_in_place"]
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "flash_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
@@ -149,12 +149,25 @@ def _sizes(q, k, v) -> list[int]:
 def forward(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block: ``out (B, Hq, L, Dv)`` contiguous, ``lse (B, Hq, L)``."""
     q, k, v = (_unit_stride(x) for x in (q, k, v))
-    b, hq, _, length, _, _, dv, _ = sizes = _sizes(q, k, v)
+    return _forward([(x, _strides(x)) for x in (q, k, v)], _sizes(q, k, v), 1, scale, is_causal)
+
+
+def forward_in_place(inputs, layouts: list[list[int]], sizes: list[int], nseg: int, scale: float,
+                     is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``forward`` of one branch's blocks, ``inputs`` ``(q, k, v)`` read where they lie, at the
+    ``layouts`` of ``flash_cpu.c``'s header (``backward_in_place``'s); ``(out, lse)`` contiguous
+    in the kernel layout of ``sizes``."""
+    return _forward([(x, _strides(x, s)) for x, s in zip(inputs, layouts)], sizes, nseg, scale, is_causal)
+
+
+def _forward(operands, sizes: list[int], nseg: int, scale: float, is_causal: bool):
+    (q, _), (k, _), _ = operands
+    b, hq, _, length, _, _, dv, _ = sizes
     out = q.new_empty((b, hq, length, dv))
     lse = q.new_empty((b, hq, length))
     _library().rr_flash_forward(
-        q.data_ptr(), _strides(q), k.data_ptr(), _strides(k), v.data_ptr(), _strides(v),
-        out.data_ptr(), lse.data_ptr(), *sizes, 1, scale, is_causal, torch.get_num_threads(),
+        *(a for t, st in operands for a in (t.data_ptr(), st)), out.data_ptr(), lse.data_ptr(), *sizes,
+        nseg, scale, is_causal, torch.get_num_threads(),
     )  # fmt: skip
     return out, lse
 

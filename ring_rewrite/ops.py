@@ -16,10 +16,11 @@ attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the s
 block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
-``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale, is_causal, write)``
-is a local branch's blocks backward reading its rows where they lie and adding (with ``write``:
-writing) its gradients into the site's, in place (Note [Local branches in place] in
-``attention.py``).
+``dilated_block_attention(q, k, v, layout, scale, is_causal) -> (out, lse)`` is
+``block_attention`` of a local branch's blocks, reading its rows where they lie in the site's
+tensors, and ``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale,
+is_causal, write)`` their backward, adding (with ``write``: writing) the gradients into the
+site's, in place (Note [Local branches in place] in ``attention.py``).
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
 ``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back,
@@ -45,8 +46,8 @@ from .dilation import BranchLayout
 from .kernels import block_kernel, dropout_backward, dropout_forward
 
 __all__ = [
-    "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "dilated_block_backward",
-    "documents", "stat_dtype", "undilate_add", "write_heads",
+    "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "dilated_block_attention",
+    "dilated_block_backward", "documents", "stat_dtype", "undilate_add", "write_heads",
 ]  # fmt: skip
 
 
@@ -288,6 +289,62 @@ def undilate_add(
     lay.scatter_add(heads, y, kv=kv, rows=rows, zero=zero)
 
 
+def _in_place(layout: BranchLayout, *operands: torch.Tensor) -> bool:
+    """Whether ``flash_cpu.c`` reads and writes ``operands`` at ``layout``'s lattice."""
+    ours = cpu_kernel.serves(*operands, bias=None) and all(x.stride(-1) == 1 for x in operands)
+    return ours and layout.in_place
+
+
+def _kernel_sizes(layout: BranchLayout, q: torch.Tensor, v: torch.Tensor) -> list[int]:
+    """``cpu_kernel``'s sizes of a local branch's blocks (``_sizes`` of its kernel layout)."""
+    m, d, dv = layout.m, q.shape[-1], v.shape[-1]
+    return [layout.batch * layout.nseg, layout.hq, layout.kv_heads, m, m, d, dv, cpu_kernel.query_tile(m)]
+
+
+@torch.library.custom_op("ring_rewrite::dilated_block_attention", mutates_args=())
+def dilated_block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[int], scale: float, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_attention`` of a local branch (``layout``, one block per segment, no bias) over the
+    site's ``q, k, v (B, H, n, C)``: ``(out, lse)`` in the kernel layout ``(B*nseg, Hq, m[,
+    Dv])``. ``flash_cpu.c`` reads the rows where they lie (``BranchLayout.lattice``); elsewhere
+    they are gathered."""
+    lay = BranchLayout(*layout)
+    if _in_place(lay, q, k, v):
+        layouts = [lay.lattice(x, kv=kv) for x, kv in ((q, False), (k, True), (v, True))]
+        return cpu_kernel.forward_in_place((q, k, v), layouts, _kernel_sizes(lay, q, v), lay.nseg, scale, is_causal)
+    qd, kd, vd = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
+    return _attend(qd, kd, vd, None, scale, is_causal, 0.0, None, None)
+
+
+@dilated_block_attention.register_fake
+def _(q, k, v, layout, scale, is_causal):
+    lay = BranchLayout(*layout)
+    rows = lay.gathered_shape(q.shape[0], v.shape[-1], kv=False, rows=False)
+    return q.new_empty(rows), q.new_empty(rows[:-1], dtype=stat_dtype(q.dtype))
+
+
+def _dilated_setup_context(ctx, inputs, output):
+    q, k, v, layout, scale, is_causal = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.layout, ctx.scale, ctx.is_causal = layout, scale, is_causal
+
+
+def _dilated_backward(ctx, dout, dlse):
+    """Through the gathered rows: ``block_attention``'s backward, added back at the lattice."""
+    q, k, v, out, lse = ctx.saved_tensors
+    lay = BranchLayout(*ctx.layout)
+    qd, kd, vd = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
+    grads = _block_grads(qd, kd, vd, None, out, lse, dout, dlse, (ctx.scale, ctx.is_causal))
+    totals = [torch.zeros_like(x) for x in (q, k, v)]
+    for total, g, kv in zip(totals, grads, (False, True, True)):
+        lay.scatter_add(total, g, kv=kv)
+    return (*totals, None, None, None)
+
+
+dilated_block_attention.register_autograd(_dilated_backward, setup_context=_dilated_setup_context)
+
+
 @torch.library.custom_op("ring_rewrite::dilated_block_backward", mutates_args=("dq", "dk", "dv"))
 def dilated_block_backward(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -302,11 +359,10 @@ def dilated_block_backward(
     run through the block kernel and added back."""
     lay = BranchLayout(*layout)
     operands = (dout, q, k, v, out, lse, dq, dk, dv)
-    if cpu_kernel.serves(*operands, bias=None) and all(x.stride(-1) == 1 for x in operands) and lay.in_place:
+    if _in_place(lay, *operands):
         kinds = (False, False, True, True, False, False, False, True, True)  # kv rows?
         layouts = [lay.lattice(x, kv=kv) for x, kv in zip(operands, kinds)]
-        sizes = [lay.batch * lay.nseg, lay.hq, lay.kv_heads, lay.m, lay.m, q.shape[-1], v.shape[-1]]
-        sizes.append(cpu_kernel.query_tile(lay.m))
+        sizes = _kernel_sizes(lay, q, v)
         cpu_kernel.backward_in_place(
             (dq, dk, dv), (dout, q, k, v, out, lse), layouts, sizes, lay.nseg, scale, is_causal, not write
         )
@@ -381,7 +437,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, bias, out, lse = ctx.saved_tensors
-    args = (ctx.scale, ctx.is_causal, *ctx.drop)
+    dq, dk, dv = _block_grads(q, k, v, bias, out, lse, dout, dlse, (ctx.scale, ctx.is_causal, *ctx.drop))
+    return dq, dk, dv, *(None for _ in range(3 + len(ctx.drop)))
+
+
+def _block_grads(q, k, v, bias, out, lse, dout, dlse, args: tuple):
+    """A block's ``dq, dk, dv`` from the gradients of its ``out`` and ``lse``."""
     dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, bias, *args)
     if dlse is not None:
         # d lse / d s = P, so dlse adds P * dlse to dS. The kernel's dS is P * (dP - rowsum(dO*O));
@@ -390,7 +451,7 @@ def _backward(ctx, dout, dlse):
         fake_out = (-dlse / dout.shape[-1]).unsqueeze(-1).to(out.dtype).expand_as(out).contiguous()
         dq2, dk2, _ = block_attention_backward(ones, q, k, torch.zeros_like(v), fake_out, lse, bias, *args)
         dq, dk = dq + dq2, dk + dk2
-    return dq, dk, dv, *(None for _ in range(3 + len(ctx.drop)))
+    return dq, dk, dv
 
 
 block_attention.register_autograd(_backward, setup_context=_setup_context)

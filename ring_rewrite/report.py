@@ -20,7 +20,7 @@ and backward bodies. Three facts of the generated code set it:
   (the rings' dq of those heads too), or, where the sums are wider than the inputs, into
   buffers of its own heads, cast into the site's once done. Where the local branches run in
   place (float32 on CPU, Note [Local branches in place] there), they hold nothing but the
-  site's dq, dk, dv, which their blocks write and add to.
+  site's dq, dk, dv, which their blocks write and add to (and forward, no dilated copies).
 * Ring branches run first and in order (the token chains their transfers). Local branches need
   no token and come after them; forward, in an order inductor picks for a low peak
   (``memory.py``'s ``reorder_for_peak_memory``), counted here as the order that holds least: the
@@ -300,7 +300,10 @@ def _ring_chunk(plan: SitePlan, branch, backward: bool) -> int:
 def _copies(plan: SitePlan, branch, backward: bool) -> int:
     """A branch's dilated copies, held while it runs: q (and backward dout, out) in the compute
     dtype, K/V (a ring's in the input dtype: they travel), backward lse; the keys' bias. None at
-    rate 1 without padding: the rows are views of the inputs (Note [Rows of a ring branch])."""
+    rate 1 without padding: the rows are views of the inputs (Note [Rows of a ring branch]), nor
+    for a local branch run in place."""
+    if branch.is_local and plan.local_in_place:
+        return 0  # its rows read where they lie (Note [Local branches in place])
     item, compute, stat = _itemsizes(plan)
     d, dv = plan.d, plan.dv
     q_rows, kv_rows = _dilated_rows(plan, branch)

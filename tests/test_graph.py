@@ -21,6 +21,7 @@ from conftest import Capture
 
 ATTN = torch.ops.ring_rewrite.block_attention
 ATTN_BWD = torch.ops.ring_rewrite.block_attention_backward
+IN_PLACE = torch.ops.ring_rewrite.dilated_block_attention
 IN_PLACE_BWD = torch.ops.ring_rewrite.dilated_block_backward
 
 
@@ -63,10 +64,10 @@ def test_rewritten_site_shape(segments, rates):
         site_body(gm, 0), site_body(gm, 0, "bwd")
     ]  # fmt: skip
     fwd, bwd = site_body(gm, 0), site_body(gm, 0, "bwd")
-    fwd_attn = calls(fwd, ATTN)
-    assert len(fwd_attn) == branches and calls(fwd, ATTN_BWD) == []
-    # float32 on CPU: every local branch's backward reads its rows in place, one call each
-    # (Note [Local branches in place]).
+    # float32 on CPU: every local branch reads its rows in place, one call each forward and
+    # backward (Note [Local branches in place]).
+    fwd_attn = calls(fwd, IN_PLACE)
+    assert len(fwd_attn) == branches and calls(fwd, ATTN) == calls(fwd, IN_PLACE_BWD) == []
     assert len(calls(bwd, IN_PLACE_BWD)) == branches and calls(bwd, ATTN) == calls(bwd, ATTN_BWD) == []
     assert [n.meta["ring_rewrite"]["branch"] for n in fwd_attn] == list(range(branches))
     for sub in (fwd, bwd):
@@ -76,14 +77,15 @@ def test_rewritten_site_shape(segments, rates):
             assert node.meta["ring_rewrite"]["site"] == 0
             assert "test_graph.py" in node.meta["stack_trace"]
     roles = {n.meta["ring_rewrite"]["role"] for n in fwd.graph.nodes if n.op != "output"}
-    expected = {"input", "dilate", "attention", "undilate"} | ({"merge"} if branches else set())
-    assert roles == expected
+    assert roles == {"input", "attention", "undilate", "merge"}
     assert counters["ring_rewrite"]["rewritten"] == 1
 
 
-def test_forward_order_per_branch():
-    """Each branch dilates, attends, then undilates; the merge comes after every branch."""
-    cap = capture(attention, *qkv(), segment_lengths=[8, 16], dilation_rates=[1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_forward_order_per_branch(dtype):
+    """Each branch dilates (not in float32 on CPU, whose kernel reads the rows in place: Note
+    [Local branches in place]), attends, then undilates; the merge comes after every branch."""
+    cap = capture(attention, *(x.to(dtype) for x in qkv()), segment_lengths=[8, 16], dilation_rates=[1, 2])
     (gm,) = cap.after
     fwd = site_body(gm, 0)
     sequence = []
@@ -92,9 +94,10 @@ def test_forward_order_per_branch():
         step = (tag.get("role"), tag.get("branch"))
         if node.op != "output" and tag.get("role") != "input" and (not sequence or sequence[-1] != step):
             sequence.append(step)
+    gathers = dtype == torch.float64
     assert sequence == [
-        ("dilate", 0), ("attention", 0), ("undilate", 0),
-        ("dilate", 1), ("attention", 1), ("undilate", 1),
+        *[("dilate", 0)] * gathers, ("attention", 0), ("undilate", 0),
+        *[("dilate", 1)] * gathers, ("attention", 1), ("undilate", 1),
         ("merge", None),
     ]  # fmt: skip
 
@@ -138,30 +141,20 @@ class GraphModule(torch.nn.Module):
 
         class body(torch.nn.Module):
             def forward(self, q, k, v):
-                view = q.view(1, 2, 1, 8, 1, -1);  q = None
-                permute = view.permute(0, 2, 1, 4, 3, 5);  view = None
-                getitem = permute[(slice(None, None, None), slice(None, None, None), slice(None, None, None), 0)];  permute = None
-                reshape = getitem.reshape(1, 2, 8, -1);  getitem = None
-                view_1 = k.view(1, 2, 1, 8, 1, -1);  k = None
-                permute_1 = view_1.permute(0, 2, 1, 4, 3, 5);  view_1 = None
+                dilated_block_attention = torch.ops.ring_rewrite.dilated_block_attention(q, k, v, [8, 1, 8, 1, 2, 2, 0], 0.5, True);  q = k = v = None
+                getitem = dilated_block_attention[0]
+                getitem_1 = dilated_block_attention[1];  dilated_block_attention = None
+                view = getitem.view(1, 1, 2, 8, -1);  getitem = None
+                unsqueeze = view.unsqueeze(3);  view = None
+                permute = unsqueeze.permute(0, 2, 1, 4, 3, 5);  unsqueeze = None
+                reshape = permute.reshape(1, 2, 8, -1);  permute = None
+                unsqueeze_1 = getitem_1.unsqueeze(-1);  getitem_1 = None
+                view_1 = unsqueeze_1.view(1, 1, 2, 8, -1);  unsqueeze_1 = None
+                unsqueeze_2 = view_1.unsqueeze(3);  view_1 = None
+                permute_1 = unsqueeze_2.permute(0, 2, 1, 4, 3, 5);  unsqueeze_2 = None
                 reshape_1 = permute_1.reshape(1, 2, 8, -1);  permute_1 = None
-                view_2 = v.view(1, 2, 1, 8, 1, -1);  v = None
-                permute_2 = view_2.permute(0, 2, 1, 4, 3, 5);  view_2 = None
-                reshape_2 = permute_2.reshape(1, 2, 8, -1);  permute_2 = None
-                block_attention = torch.ops.ring_rewrite.block_attention(reshape, reshape_1, reshape_2, None, 0.5, True);  reshape = reshape_1 = reshape_2 = None
-                getitem_1 = block_attention[0]
-                getitem_2 = block_attention[1];  block_attention = None
-                view_3 = getitem_1.view(1, 1, 2, 8, -1);  getitem_1 = None
-                unsqueeze = view_3.unsqueeze(3);  view_3 = None
-                permute_3 = unsqueeze.permute(0, 2, 1, 4, 3, 5);  unsqueeze = None
-                reshape_3 = permute_3.reshape(1, 2, 8, -1);  permute_3 = None
-                unsqueeze_1 = getitem_2.unsqueeze(-1);  getitem_2 = None
-                view_4 = unsqueeze_1.view(1, 1, 2, 8, -1);  unsqueeze_1 = None
-                unsqueeze_2 = view_4.unsqueeze(3);  view_4 = None
-                permute_4 = unsqueeze_2.permute(0, 2, 1, 4, 3, 5);  unsqueeze_2 = None
-                reshape_4 = permute_4.reshape(1, 2, 8, -1);  permute_4 = None
-                squeeze = reshape_4.squeeze(-1);  reshape_4 = None
-                to = reshape_3.to(torch.float32);  reshape_3 = None
+                squeeze = reshape_1.squeeze(-1);  reshape_1 = None
+                to = reshape.to(torch.float32);  reshape = None
                 return (to, squeeze)
 
     class ring_rewrite_bwd_0(torch.nn.Module):

@@ -185,8 +185,40 @@ IN_PLACE_LAYOUTS = [
 ]  # fmt: skip
 
 
+def _site_rows(batch: int, n: int, heads: int, channels: int, dtype=torch.float32) -> torch.Tensor:
+    """``(B, H, n, C)`` with the heads inside the rows, as a model's projections give it."""
+    return torch.randn(batch, n, heads, channels, dtype=dtype).transpose(1, 2)
+
+
+_LAYOUT_IDS = lambda f: "w{}r{}b{}h{}kv{}o{}".format(*f[:2], *f[3:])  # noqa: E731
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("fields", IN_PLACE_LAYOUTS, ids=lambda f: "w{}r{}b{}h{}kv{}o{}".format(*f[:2], *f[3:]))
+@pytest.mark.parametrize("fields", IN_PLACE_LAYOUTS, ids=_LAYOUT_IDS)
+def test_dilated_block_attention_reads_a_branchs_rows_in_place(fields, is_causal):
+    """A local branch's blocks read where the rows lie (Note [Local branches in place] in
+    ``attention.py``) are ``block_attention`` of the gathered rows (float64, aten's kernel);
+    its autograd (through the gathers) passes gradcheck."""
+    from ring_rewrite.dilation import BranchLayout
+
+    layout = BranchLayout(*fields)
+    b, n, hq, hkv = layout.batch, layout.n, layout.hq, layout.hkv
+    q, k, v = _site_rows(b, n, hq, 8), _site_rows(b, n, hkv, 8), _site_rows(b, n, hkv, 6)
+    out, lse = torch.ops.ring_rewrite.dilated_block_attention(q, k, v, fields, 0.35, is_causal)
+    gathered = [layout.gather(x.double(), kv=kv) for x, kv in ((q, False), (k, True), (v, True))]
+    want_out, want_lse = block_attention(*gathered, None, 0.35, is_causal)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape and lse.dtype == torch.float32
+    assert rel_err(out, want_out) < 1e-5 and rel_err(lse, want_lse) < 1e-6
+    inputs = [x.double().requires_grad_() for x in (q, k, v)]
+    torch.autograd.gradcheck(
+        lambda *x: torch.ops.ring_rewrite.dilated_block_attention(*x, fields, 0.35, is_causal), inputs,
+        fast_mode=True,
+    )
+    torch.library.opcheck(torch.ops.ring_rewrite.dilated_block_attention, (q, k, v, fields, 0.35, is_causal))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("fields", IN_PLACE_LAYOUTS, ids=_LAYOUT_IDS)
 def test_dilated_block_backward_adds_a_branchs_gradients_in_place(fields, is_causal):
     """A local branch's backward read where its rows lie and added into the site's gradients
     (Note [Local branches in place] in ``attention.py``) is the gathered one (float64, aten's
@@ -197,11 +229,8 @@ def test_dilated_block_backward_adds_a_branchs_gradients_in_place(fields, is_cau
 
     layout = BranchLayout(*fields)
     b, n, hq, hkv, d, dv = layout.batch, layout.n, layout.hq, layout.hkv, 8, 6
-
-    def rows(heads, c):  # (B, H, n, C) with the heads inside the rows, as a projection gives
-        return torch.randn(b, n, heads, c).transpose(1, 2)
-
-    q, k, v, dout, out = rows(hq, d), rows(hkv, d), rows(hkv, dv), rows(hq, dv), rows(hq, dv)
+    q, k, v = _site_rows(b, n, hq, d), _site_rows(b, n, hkv, d), _site_rows(b, n, hkv, dv)
+    dout, out = _site_rows(b, n, hq, dv), _site_rows(b, n, hq, dv)
     lse = 2 + 2 * torch.rand(b, hq, n)  # any finite lse: the formula, not one softmax
     for write in (False, True) if layout.r == 1 else (False,):
         totals = [torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, dv)]
@@ -209,12 +238,13 @@ def test_dilated_block_backward_adds_a_branchs_gradients_in_place(fields, is_cau
         ins = [x.double() for x in (dout, q, k, v, out, lse)]
         assert not cpu_kernel.serves(*ins, bias=None)  # float64: gathered, aten's kernel
         torch.ops.ring_rewrite.dilated_block_backward(*want, *ins, fields, 0.35, is_causal, write)
-        torch.ops.ring_rewrite.dilated_block_backward(*totals, dout, q, k, v, out, lse, fields, 0.35, is_causal, write)
+        args = (dout, q, k, v, out, lse, fields, 0.35, is_causal, write)
+        torch.ops.ring_rewrite.dilated_block_backward(*totals, *args)
         for got, expected in zip(totals, want):
             assert rel_err(got, expected) < 1e-5
         if write:  # every position written, none added to
             fresh = [torch.full_like(t, float("nan")) for t in totals]
-            torch.ops.ring_rewrite.dilated_block_backward(*fresh, dout, q, k, v, out, lse, fields, 0.35, is_causal, True)
+            torch.ops.ring_rewrite.dilated_block_backward(*fresh, *args)
             assert all(torch.equal(a, c) for a, c in zip(fresh, totals))
     assert layout.in_place == (fields != IN_PLACE_LAYOUTS[-1])
     args = ([torch.zeros_like(t) for t in totals], dout, q, k, v, out, lse, fields, 0.35, is_causal, False)

@@ -88,12 +88,13 @@ def test_graph_diff_counts_removed_and_added_nodes():
     # The site node, its two subgraphs, and in each the call of its body.
     assert added["autograd_function_apply"] == 1 and added["invoke_subgraph"] == 2
     assert added["get_attr"] == 4
-    assert added["ring_rewrite.block_attention"] == 2  # one per branch
-    assert added["ring_rewrite.dilated_block_backward"] == 2  # float32 on CPU: in place
+    # one per branch, forward and backward (float32 on CPU: the rows read in place)
+    assert added["ring_rewrite.dilated_block_attention"] == 2
+    assert added["ring_rewrite.dilated_block_backward"] == 2
     assert diff.ops_changed["scaled_dot_product_attention"] == (2, 1)
     roles = diff.added_by_role
     assert [n.role for n in diff.added if n.module == ""] == ["site"] * 3
-    assert {"dilate", "attention", "merge", "attention_backward"} <= set(roles)
+    assert {"attention", "undilate", "merge", "attention_backward"} <= set(roles)
     rewritten, alone = diff.sites
     assert (rewritten.site, rewritten.rewritten, rewritten.attention) == (0, True, (2, 2))
     assert rewritten.removed == {"scaled_dot_product_attention": 1}
@@ -127,7 +128,7 @@ def test_graph_diff_prints_tables_and_a_stable_unified_diff():
     diff = two_attentions().diff()
     table = str(diff)
     assert table.startswith("ring_dilated graph diff: 1 of 2 attention sites rewritten; 1 node removed")
-    assert "left alone: dense attn_mask" in table and "ring_rewrite.block_attention" in table
+    assert "left alone: dense attn_mask" in table and "ring_rewrite.dilated_block_attention" in table
     lines = diff.text.splitlines()
     assert lines[:2] == ["--- before", "+++ after"]
     removed = [line for line in lines if line.startswith("-")]
@@ -167,7 +168,8 @@ def test_capture_aot_forward_and_backward_graphs():
         str(n.args[0]) for m in bw.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
         if testing.op_label(n) == "auto_functionalized_v2"
     }  # fmt: skip
-    assert "ring_rewrite.block_attention" in ops(fw) and "ring_rewrite.dilated_block_backward.default" in mutated
+    assert "ring_rewrite.dilated_block_attention" in ops(fw)
+    assert "ring_rewrite.dilated_block_backward.default" in mutated
     assert q.grad is not None
     with pytest.raises(ValueError, match="no output of the model requires grad"):
         capture(causal, *(t.detach() for t in (q, k, v)), backward=True)
@@ -270,7 +272,7 @@ def test_expected_graph_file_written_on_accept_then_checked(tmp_path, monkeypatc
         "RING_REWRITE_ACCEPT=1"
     )
     assert f"--- {path}\n+++ actual\n@@" in message
-    assert "\n+                block_attention_2 = torch.ops.ring_rewrite.block_attention(" in message
+    assert "\n+                dilated_block_attention_2 = torch.ops.ring_rewrite.dilated_block_attention(" in message
     monkeypatch.setenv(ACCEPT_ENV, "1")
     assert_expected_graph(other, path)
     assert path.read_text() == graph_text(other)

@@ -17,8 +17,8 @@ from .schedule import P2P
 
 __all__ = ["GraphDiff", "NodeInfo", "SiteSummary", "graph_diff"]
 
-ATTENTION = "ring_rewrite.block_attention"
 # A local branch run in place is one node for all of its blocks (Note [Local branches in place]).
+ATTENTION = ("ring_rewrite.block_attention", "ring_rewrite.dilated_block_attention")
 ATTENTION_BWD = ("ring_rewrite.block_attention_backward", "ring_rewrite.dilated_block_backward")
 
 
@@ -69,8 +69,8 @@ class SiteSummary:
     added_by_role: dict[str, int]
     """Nodes added for the site, subgraphs included, by role."""
     attention: tuple[int, int]
-    """``block_attention`` nodes in the forward; ``block_attention_backward`` and
-    ``dilated_block_backward`` in the backward."""
+    """``block_attention`` and ``dilated_block_attention`` nodes in the forward,
+    ``block_attention_backward`` and ``dilated_block_backward`` in the backward."""
     transfers: tuple[int, int]
     """Ring transfers (send/recv and gathers) in the forward and the backward subgraph."""
 
@@ -268,7 +268,7 @@ def _site_summaries(
                 removed=dict(collections.Counter(n.op for n in removed if n.replaced_by == record.site)),
                 added_by_role=dict(collections.Counter(n.role or "(no role)" for n in mine)),
                 attention=(
-                    sum(n.op == ATTENTION for n in fwd),
+                    sum(n.op in ATTENTION for n in fwd),
                     sum(n.op in ATTENTION_BWD for n in bwd),
                 ),
                 transfers=(sum(n.op in P2P for n in fwd), sum(n.op in P2P for n in bwd)),
