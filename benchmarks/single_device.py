@@ -34,7 +34,11 @@ Whether the time per token is flat in N is judged on each N's fastest step (``be
 tokens``, beside the medians' column): the code's cost with the least of this machine's
 interference. Its slow spells last a minute or two and come and go within a run (``torch.mm`` from
 102 to 180 GFLOP/s in one run of 2026-11-26; a 16k row's steps 1.71, 2.70, 2.56 s, and three rows
-later 1.74, 1.68, 1.67 s), more than the 10 % that flatness allows.
+later 1.74, 1.68, 1.67 s), more than the 10 % that flatness allows. So ours is timed in rounds:
+after a warm-up step at every N, each round times one step of every N in turn
+(``measure_in_rounds``), and a slow spell falls on steps of several N rather than on all of one
+N's (run one N after another, a 64k row ran at 1.94 s per 16k tokens at best and the 128k row
+after it at 1.68).
 
     python benchmarks/single_device.py                 # N = 4k .. 256k, about 25 minutes on 2 cores
     python benchmarks/single_device.py --quick         # N = 4k, 8k: a smoke run
@@ -44,6 +48,7 @@ later 1.74, 1.68, 1.67 s), more than the 10 % that flatness allows.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -133,15 +138,41 @@ def inputs(n: int) -> tuple[torch.Tensor, ...]:
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad_out
 
 
+def _mm() -> float:
+    """torch.mm's rate, measured before each timed step: the peak its FLOP/s are compared with."""
+    return _common.matmul_gflops(repeats=3)
+
+
+def _result(times: list[float], mm: list[float], peak: int) -> dict:
+    return {
+        "fwd_bwd_s": statistics.median(times), "best_s": min(times), "times_s": times,
+        "mm_gflops": statistics.median(mm), "peak_bytes": peak,
+    }  # fmt: skip
+
+
 def measure(fn: Callable, n: int, repeats: int) -> dict:
     q, k, v, grad_out = inputs(n)
-    # torch.mm's rate before each timed step: the peak the step's FLOP/s are compared with.
-    mm = lambda: _common.matmul_gflops(repeats=3)  # noqa: E731
-    timing = _common.median_time(lambda: _step(fn, q, k, v, grad_out), repeats, warmup=1, between=mm)
-    result = {"fwd_bwd_s": timing["median_s"], "best_s": min(timing["times_s"]), "times_s": timing["times_s"]}
-    result["mm_gflops"] = statistics.median(timing["between"])
-    result["peak_bytes"] = _common.allocated_peak(lambda: _step(fn, q, k, v, grad_out))
-    return result
+    timing = _common.median_time(lambda: _step(fn, q, k, v, grad_out), repeats, warmup=1, between=_mm)
+    peak = _common.allocated_peak(lambda: _step(fn, q, k, v, grad_out))
+    return _result(timing["times_s"], timing["between"], peak)
+
+
+def measure_in_rounds(fn: Callable, ns: Sequence[int], repeats: int) -> dict[int, dict]:
+    """``measure`` of ``fn`` at every N of ``ns``, each after one warm-up step, timed in
+    ``repeats`` rounds of one step per N: a slow spell of the machine (a minute or two) then
+    falls on steps of several N, not on every step of one."""
+    steps = {}
+    for n in ns:
+        q, k, v, grad_out = inputs(n)
+        steps[n] = functools.partial(_step, fn, q, k, v, grad_out)
+        steps[n]()
+    times, mm = {n: [] for n in ns}, {n: [] for n in ns}
+    for _ in range(repeats):
+        for n in ns:
+            timing = _common.median_time(steps[n], 1, warmup=0, between=_mm)
+            times[n] += timing["times_s"]
+            mm[n] += timing["between"]
+    return {n: _result(times[n], mm[n], _common.allocated_peak(steps[n])) for n in ns}
 
 
 def check(impls: dict[str, Callable], n: int, causal: bool) -> dict[str, dict[str, float]]:
@@ -235,12 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"above {_common.TOLERANCE:g}, stopping before timing: {failed}")
         return 1
     rows, raw = [], []
+    ours = measure_in_rounds(impls["ours"][0], opts.seq, opts.repeats)
     for n in opts.seq:
         got = {}
         for name, (fn, limit) in impls.items():
             if limit is not None and n > limit:
                 continue
-            got[name] = measure(fn, n, opts.repeats)
+            got[name] = ours[n] if name == "ours" else measure(fn, n, opts.repeats)
             pairs = connected_pairs(n, None if name in ("dense", "ours exact") else SEGMENTS, RATES, causal)
             got[name]["gflops"] = fwd_bwd_flops(pairs) / got[name]["fwd_bwd_s"] / 1e9
             raw.append({"N": n, "impl": name, "pairs_per_head": pairs, **got[name]})

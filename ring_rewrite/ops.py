@@ -370,7 +370,7 @@ def dilated_block_backward(
     qd, dod, od = (lay.gather(x) for x in (q, dout, out))
     kd, vd = (lay.gather(x, kv=True) for x in (k, v))
     lsed = lay.gather(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
-    grads = block_kernel(q.device).backward(dod, qd, kd, vd, od, lsed, None, scale, is_causal)
+    grads = block_attention_backward(dod, qd, kd, vd, od, lsed, None, scale, is_causal)
     for total, g, kv in zip((dq, dk, dv), grads, (False, True, True)):
         lay.scatter_add(total, g, kv=kv, zero=write)
 

@@ -223,7 +223,8 @@ def test_dilated_block_backward_adds_a_branchs_gradients_in_place(fields, is_cau
     """A local branch's backward read where its rows lie and added into the site's gradients
     (Note [Local branches in place] in ``attention.py``) is the gathered one (float64, aten's
     kernel, ``BranchLayout.scatter_add``), on inputs laid out ``(B, N, H, D)`` as a model's
-    projections are; with ``write`` (rate 1) the totals are written."""
+    projections are; with ``write`` (rate 1) the totals are written. Rows whose lse is infinite
+    add nothing."""
     from ring_rewrite import cpu_kernel
     from ring_rewrite.dilation import BranchLayout
 
@@ -231,7 +232,8 @@ def test_dilated_block_backward_adds_a_branchs_gradients_in_place(fields, is_cau
     b, n, hq, hkv, d, dv = layout.batch, layout.n, layout.hq, layout.hkv, 8, 6
     q, k, v = _site_rows(b, n, hq, d), _site_rows(b, n, hkv, d), _site_rows(b, n, hkv, dv)
     dout, out = _site_rows(b, n, hq, dv), _site_rows(b, n, hq, dv)
-    lse = 2 + 2 * torch.rand(b, hq, n)  # any finite lse: the formula, not one softmax
+    lse = 2 + 2 * torch.rand(b, hq, n)  # any lse: the formula, not one softmax
+    lse[..., ::5], lse[..., 1::7] = float("-inf"), float("inf")  # rows with nothing to attend
     for write in (False, True) if layout.r == 1 else (False,):
         totals = [torch.randn(b, hq, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, dv)]
         want = [t.double() for t in totals]

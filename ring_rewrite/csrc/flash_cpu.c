@@ -26,7 +26,8 @@
  * dilated branch's rows read in place have the segments as batches and each head's lattice
  * offset in st[3 + h] (a row stride must fit an int). The backward writes dq, dk, dv, or with
  * `accumulate` adds to them (no two kv heads' rows may then be the same). Causal is top-left:
- * row i sees keys 0..i. A backward row whose lse is +inf (nothing to attend) contributes nothing.
+ * row i sees keys 0..i. A backward row whose lse is infinite (nothing to attend) contributes
+ * nothing.
  */
 #include <math.h>
 #include <omp.h>
@@ -194,7 +195,7 @@ static void tile_backward(const struct grads *a, struct scratch *w, int64_t b, i
         gemm('T', 'N', kb, tq, Dv, 1.0f, vh + n * a->vs[2], a->vs[2], dot, a->dos[2], 0.0f, dp, TK);
         for (int64_t r = 0; r < tq; r++) {
             float *pr = p + r * TK, *dr = dp + r * TK;
-            const int64_t lim = w->lrow[r] == INFINITY ? 0 : seen(a->causal, m + r, n, kb);
+            const int64_t lim = isinf(w->lrow[r]) ? 0 : seen(a->causal, m + r, n, kb);
             const float l = w->lrow[r], ds = w->dsum[r];
 #pragma omp simd
             for (int64_t c = 0; c < lim; c++) {
