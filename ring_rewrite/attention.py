@@ -310,9 +310,9 @@ class SitePlan:
 
     @property
     def local_in_place(self) -> bool:
-        """Whether the local branches' backward reads their rows where they lie and adds their
-        gradients straight into the site's (Note [Local branches in place]): float32 on CPU with
-        ``flash_cpu.c`` built, no bias, band, documents or dropout, no padding."""
+        """Whether the local branches read their rows where they lie, forward and backward, and
+        add their gradients straight into the site's (Note [Local branches in place]): float32
+        on CPU with ``flash_cpu.c`` built, no bias, band, documents or dropout, no padding."""
         local = [b for b in self.branches if b.is_local]
         if not local or self.dtype != torch.float32 or self.device != "cpu" or self.dropout:
             return False
