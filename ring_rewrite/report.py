@@ -14,7 +14,11 @@ and backward bodies. Three facts of the generated code set it:
   ``stat_dtype``, exist from the first branch that adds to them on (a lone rate-1 branch's
   gradients are the sums themselves). A ring's dq and dK/dV are summed block by block
   (``ops.add_rows``: Note [Gradient sums of a ring step] there) and wait, dilated, for the local
-  branches: its dq joins their sums, its dK/dV are added once home. Where the local branches'
+  branches: its dq joins their sums, its dK/dV are added once home. The last head chunk's
+  dK/dV are on their last hop while the local branches run (and while later rings do): its
+  share kept home, the accumulator sent and the one arriving, three copies. Where the ring's
+  dq comes in head chunks, inductor concatenates them as the local branches start, beside the
+  chunks. Where the local branches'
   backward runs in ``C`` head chunks (Note [Head chunks of local branches] there), the site's
   dq, dk, dv exist from the first chunk on, and each chunk sums into its heads of them in place
   (the rings' dq of those heads too), or, where the sums are wider than the inputs, into
@@ -209,15 +213,24 @@ def _branch_outs(plan: SitePlan, branch) -> int:
 
 
 def _branch_grads(plan: SitePlan, branch) -> int:
-    """What a branch's backward leaves for the sum: its dilated dq, dk, dv; a ring of one head
-    chunk also its dK/dV share kept home beside the accumulator that came back (``_land``)."""
+    """What a branch's backward leaves for the sum: its dilated dq, dk, dv; a ring's dK/dV are
+    home but for its last head chunk's, whose last hop is in flight until the local branches
+    are done (``_land``): that chunk's share kept home, the accumulator sent and the one
+    arriving (``ring_shift_start`` allocates it)."""
     _, compute, stat = _itemsizes(plan)
     q_rows, kv_rows = _dilated_rows(plan, branch)
     dkv = kv_rows * (plan.d + plan.dv)
     if branch.is_local:
         return (q_rows * plan.d + dkv) * compute
-    landing = dkv if plan.head_chunks(branch) == 1 else 0
-    return (q_rows * plan.d + dkv + landing) * stat
+    return (q_rows * plan.d + dkv + 2 * dkv // plan.head_chunks(branch)) * stat
+
+
+def _rings_dq_cat(plan: SitePlan) -> int:
+    """The rings' dq where it comes in head chunks: their concatenation, which inductor
+    computes as the local branches start, beside the chunks (``_cat_heads``)."""
+    _, _, stat = _itemsizes(plan)
+    rings = [b for b in plan.branches if not b.is_local and plan.head_chunks(b) > 1]
+    return sum(_dilated_rows(plan, b)[0] * plan.d * stat for b in rings)
 
 
 def _copies_gradients(plan: SitePlan, branch) -> bool:
@@ -400,6 +413,7 @@ def _backward_peak(plan: SitePlan) -> int:
         peak = max(peak, held + result * (chunks - 1) // chunks + work)
         held += result
     chunks = len(plan.local_chunks()) if local else 1
+    held += _rings_dq_cat(plan)
     if plan.local_in_place:
         # The site's dq, dk, dv, which the local blocks write and add to where they lie; the
         # rings' dq and, once home, dK/dV add to them in place.
