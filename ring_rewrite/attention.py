@@ -53,7 +53,7 @@ Summing in place saves three chunk-sized buffers a chunk and a copy of dq, dk, d
 time). ``SitePlan.local_chunks`` takes the fewest chunks whose share fits in
 ``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does a site with dropout (a block's
 keep-mask is drawn over all of its heads). The forward holds each branch's out and lse, ``1 / r``
-of q each, and needs no chunks.
+of q each (in place, the Note below, one running pair), and needs no chunks.
 
 Note [Local branches in place]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -64,16 +64,19 @@ and writes or adds its gradients at one too. So where it runs every local block 
 no bias, band, documents or dropout, no padding, and no two kernel kv heads on the same rows:
 ``SitePlan.local_in_place``), a local branch is one call each way, and nothing of it is
 gathered. Forward, ``ops.dilated_block_attention`` reads the site's q, k, v where they lie and
-returns the branch's out and lse as ``block_attention`` would (the merge reads them as before).
-Backward, ``ops.dilated_block_backward`` reads q, k, v, dout, out and lse where they lie and adds
+merges the branch's out and lse into a running out and lse of the site's size, in place, row by
+row as the kernel finishes it (the first branch, at rate 1, writes them; else they start at 0
+and ``-inf``): the merge of ``merge.py``, two partials at a time, so no branch's out exists on
+its own and no pointwise merge runs after them (rings, where there are, merge with the running
+ones there). Backward, ``ops.dilated_block_backward`` reads q, k, v, dout, out and lse where they lie and adds
 the branch's dq, dk, dv into the site's, in place; the first branch, at rate 1, writes them
 (else they start at zero). No gradient of a branch exists on its own and nothing is summed
 afterwards: the backward holds the site's dq, dk, dv and the kernel's per-thread tiles, so it
 needs no head chunks, and no buffer of it grows with the branches (at 256k tokens, Note [Head
 chunks of local branches]'s chunks took 2 million page faults a step; single-device LongNet
-peak 4.52 -> 4.02 ``q``-sized). The graph shows one node per local branch each way, roles
-``attention`` and ``attention_backward``; the rings' dq and dK/dV add into the same sums after
-them. Elsewhere (aten's kernel, CUDA, 16-bit, a bias) they are gathered, and the backward runs in
+peak 4.52 -> 4.02 ``q``-sized, forward 2.9 -> 1.0). The graph shows one node per local branch
+each way, roles ``attention`` and ``attention_backward``; the rings' dq and dK/dV add into the
+same sums after them. Elsewhere (aten's kernel, CUDA, 16-bit, a bias) they are gathered, and the backward runs in
 head chunks (the Note above).
 
 Note [Rows of a ring branch]
@@ -658,6 +661,25 @@ def _parts(layout, p0: int, p1: int, out, lse) -> dict:
     return {(part, part + 1): piece for part, piece in zip(range(p0, p1), pieces)}
 
 
+def _local_in_place_forward(plan: SitePlan, ql, kl, vl) -> tuple[list, list]:
+    """The out and lse of every local branch merged, where each reads its rows in place and
+    merges its results into the running ones (Note [Local branches in place])."""
+    local = [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
+    write = local[0][1].layout.r == 1  # it writes every position (no padding here)
+    shape = (plan.batch, plan.hq, plan.n_local)
+    with role("merge"):
+        if write:
+            out, lse = ql.new_empty((*shape, plan.dv)), ql.new_empty(shape, dtype=plan.stat_dtype)
+        else:
+            out, lse = ql.new_zeros((*shape, plan.dv)), ql.new_full(shape, _NEG_INF, dtype=plan.stat_dtype)
+    for j, (i, branch) in enumerate(local):
+        with role("attention", branch=i):
+            torch.ops.ring_rewrite.dilated_block_attention(
+                out, lse, ql, kl, vl, _fields(branch.layout), plan.scale, plan.is_causal, write and j == 0
+            )
+    return [out], [lse]
+
+
 def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None):
     """``(q, k, v[, mask][, token][, seed]) -> (out, saved)``; ``mask`` is an additive key bias
     ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
@@ -680,14 +702,13 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
             first = _first_transfer(plan, ring, i, branch, KV, kd, vd, bias)
             rings[i] = (ring, qd, kd, vd, bias, first)
     outs, lses = [], []
+    if plan.local_in_place:
+        outs, lses = _local_in_place_forward(plan, ql, kl, vl)
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         if branch.is_local and plan.local_in_place:
-            with role("attention", branch=i):
-                od, lsed = torch.ops.ring_rewrite.dilated_block_attention(
-                    ql, kl, vl, _fields(layout), plan.scale, plan.is_causal
-                )
-        elif branch.is_local:
+            continue
+        if branch.is_local:
             with role("dilate", branch=i):
                 (qd,) = _dilated(plan, layout, ql)
                 kd, vd = _dilated(plan, layout, kl, vl, kv=True)
@@ -868,7 +889,7 @@ def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, r
     one head chunk after another (Note [Head chunks of local branches]), and the buffers whose
     compute the rings' last dK/dV hops wait for."""
     if plan.local_in_place:
-        return _local_in_place(plan, dol, ql, kl, vl, out, lse, rings)
+        return _local_in_place_backward(plan, dol, ql, kl, vl, out, lse, rings)
     chunks = plan.local_chunks()
     if len(chunks) == 1:
         return _local_chunk(plan, *chunks[0], dol, ql, kl, vl, out, lse, ml, seed, docs, rings, ())
@@ -896,7 +917,7 @@ def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, r
     return (*totals, totals)
 
 
-def _local_in_place(plan: SitePlan, dol, ql, kl, vl, out, lse, rings):
+def _local_in_place_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, rings):
     """``_local_backward`` where every local branch reads its rows in place and adds its
     gradients into the site's (Note [Local branches in place])."""
     local = [(i, b) for i, b in enumerate(plan.branches) if b.is_local]

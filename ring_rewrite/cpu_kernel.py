@@ -20,10 +20,11 @@ per (batch, kv head), which owns its dK and dV. Backward tasks too few to give e
 tile's keys and its dQ share, which they then sum (one task on two threads ran at 45 % of
 ``torch.mm`` before, 90 to 100 % after). It writes ``out``, ``dq``, ``dk`` and ``dv``
 contiguous (aten's come in its own layout and were copied), reads GQA's kv heads in place and
-takes ``d != dv`` as they are. Its backward also reads and writes (or adds to) every operand at
-a layout of the caller's: a local branch's lattice rows inside the site's own tensors, segments
-as batches and each kernel head's offset of its own (``backward_in_place``; Note [Local
-branches in place] in ``attention.py``).
+takes ``d != dv`` as they are. Both ways it also reads and writes every operand at a layout of
+the caller's: a local branch's lattice rows inside the site's own tensors, segments as batches
+and each kernel head's offset of its own (``forward_in_place``, ``backward_in_place``; Note
+[Local branches in place] in ``attention.py``); forward it then merges its rows into the out
+and lse they hold, backward it adds its gradients to theirs.
 
 It serves float32 blocks without a bias (``serves``): causal or full, which is every block of
 a site without a key mask, padding or band. The rest (float64, a bias) runs aten's kernel, as
@@ -101,7 +102,7 @@ def _library() -> ctypes.CDLL | None:
         warnings.warn(f"ring_rewrite: the CPU block kernel is not available ({e}); blocks run aten's flash kernel")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rr_flash_forward.argtypes = [ptr] * 8 + [i64] * 9 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rr_flash_forward.argtypes = [ptr] * 10 + [i64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3
     lib.rr_flash_backward.argtypes = [ptr] * 18 + [i64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3
     return lib
 
@@ -149,27 +150,30 @@ def _sizes(q, k, v) -> list[int]:
 def forward(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block: ``out (B, Hq, L, Dv)`` contiguous, ``lse (B, Hq, L)``."""
     q, k, v = (_unit_stride(x) for x in (q, k, v))
-    return _forward([(x, _strides(x)) for x in (q, k, v)], _sizes(q, k, v), 1, scale, is_causal)
-
-
-def forward_in_place(inputs, layouts: list[list[int]], sizes: list[int], nseg: int, scale: float,
-                     is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``forward`` of one branch's blocks, ``inputs`` ``(q, k, v)`` read where they lie, at the
-    ``layouts`` of ``flash_cpu.c``'s header (``backward_in_place``'s); ``(out, lse)`` contiguous
-    in the kernel layout of ``sizes``."""
-    return _forward([(x, _strides(x, s)) for x, s in zip(inputs, layouts)], sizes, nseg, scale, is_causal)
-
-
-def _forward(operands, sizes: list[int], nseg: int, scale: float, is_causal: bool):
-    (q, _), (k, _), _ = operands
+    sizes = _sizes(q, k, v)
     b, hq, _, length, _, _, dv, _ = sizes
-    out = q.new_empty((b, hq, length, dv))
-    lse = q.new_empty((b, hq, length))
-    _library().rr_flash_forward(
-        *(a for t, st in operands for a in (t.data_ptr(), st)), out.data_ptr(), lse.data_ptr(), *sizes,
-        nseg, scale, is_causal, torch.get_num_threads(),
-    )  # fmt: skip
+    out, lse = q.new_empty((b, hq, length, dv)), q.new_empty((b, hq, length))
+    tensors = (q, k, v, out, lse)
+    _forward([(t, _strides(t)) for t in tensors], sizes, 1, scale, is_causal, False)
     return out, lse
+
+
+def forward_in_place(results, inputs, layouts: list[list[int]], sizes: list[int], nseg: int, scale: float,
+                     is_causal: bool, merge: bool) -> None:  # fmt: skip
+    """``forward`` of one branch's blocks, every operand read and written where it lies:
+    ``inputs`` ``(q, k, v)`` and ``results`` ``(out, lse)`` (written, or with ``merge`` merged
+    into: the attention over both key sets, a row of lse ``-inf`` holding none) at the
+    ``layouts`` of ``flash_cpu.c``'s header (``backward_in_place``'s); ``sizes`` of the kernel
+    layout."""
+    tensors = (*inputs, *results)
+    _forward([(t, _strides(t, s)) for t, s in zip(tensors, layouts)], sizes, nseg, scale, is_causal, merge)
+
+
+def _forward(operands, sizes: list[int], nseg: int, scale: float, is_causal: bool, merge: bool) -> None:
+    _library().rr_flash_forward(
+        *(a for t, st in operands for a in (t.data_ptr(), st)), *sizes, nseg, scale, is_causal, merge,
+        torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def backward(dout, q, k, v, out, lse, scale: float, is_causal: bool):

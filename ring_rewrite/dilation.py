@@ -241,6 +241,12 @@ class BranchLayout:
                 past.fill_(fill)
         return out
 
+    def scatter(self, total: torch.Tensor, y: torch.Tensor) -> None:
+        """Writes ``y``, query rows in ``gather``'s layout, at their positions of ``total (B, Hq,
+        n, C)``, in place (rows past the sequence dropped; every other position untouched)."""
+        for dst, src, _ in self._runs(total, y, kv=False, rows=False):
+            dst.copy_(src)
+
     def scatter_add(
         self, total: torch.Tensor, y: torch.Tensor, *, kv: bool = False, rows: bool = False, zero: bool = False
     ) -> None:

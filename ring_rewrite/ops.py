@@ -16,11 +16,12 @@ attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the s
 block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
 "Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
 
-``dilated_block_attention(q, k, v, layout, scale, is_causal) -> (out, lse)`` is
+``dilated_block_attention(out, lse, q, k, v, layout, scale, is_causal, write)`` is
 ``block_attention`` of a local branch's blocks, reading its rows where they lie in the site's
-tensors, and ``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale,
-is_causal, write)`` their backward, adding (with ``write``: writing) the gradients into the
-site's, in place (Note [Local branches in place] in ``attention.py``).
+tensors and merging (with ``write``: writing) its results into the site's ``out`` and ``lse``,
+and ``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale, is_causal,
+write)`` their backward, adding (with ``write``: writing) the gradients into the site's, in
+place (Note [Local branches in place] in ``attention.py``).
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
 ``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back,
@@ -301,48 +302,40 @@ def _kernel_sizes(layout: BranchLayout, q: torch.Tensor, v: torch.Tensor) -> lis
     return [layout.batch * layout.nseg, layout.hq, layout.kv_heads, m, m, d, dv, cpu_kernel.query_tile(m)]
 
 
-@torch.library.custom_op("ring_rewrite::dilated_block_attention", mutates_args=())
+@torch.library.custom_op("ring_rewrite::dilated_block_attention", mutates_args=("out", "lse"))
 def dilated_block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[int], scale: float, is_causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[int],
+    scale: float, is_causal: bool, write: bool,
+) -> None:  # fmt: skip
     """``block_attention`` of a local branch (``layout``, one block per segment, no bias) over the
-    site's ``q, k, v (B, H, n, C)``: ``(out, lse)`` in the kernel layout ``(B*nseg, Hq, m[,
-    Dv])``. ``flash_cpu.c`` reads the rows where they lie (``BranchLayout.lattice``); elsewhere
-    they are gathered."""
+    site's ``q, k, v (B, H, n, C)``, its rows' results merged into the site's ``out (B, Hq, n,
+    Dv)`` and ``lse (B, Hq, n)`` in place: the softmax over the keys of both (``merge_partials``;
+    a row of lse ``-inf`` holds none), or with ``write`` written, every position of the layout's
+    heads, which then must be all of them (rate 1). ``flash_cpu.c`` reads and writes the rows
+    where they lie (``BranchLayout.lattice``); elsewhere they are gathered, attended and merged,
+    and written back."""
     lay = BranchLayout(*layout)
-    if _in_place(lay, q, k, v):
-        layouts = [lay.lattice(x, kv=kv) for x, kv in ((q, False), (k, True), (v, True))]
-        return cpu_kernel.forward_in_place((q, k, v), layouts, _kernel_sizes(lay, q, v), lay.nseg, scale, is_causal)
+    if _in_place(lay, q, k, v, out, lse):
+        tensors = (q, k, v, out, lse)
+        layouts = [lay.lattice(x, kv=kv) for x, kv in zip(tensors, (False, True, True, False, False))]
+        sizes = _kernel_sizes(lay, q, v)
+        cpu_kernel.forward_in_place((out, lse), (q, k, v), layouts, sizes, lay.nseg, scale, is_causal, not write)
+        return
+    from .merge import merge_partials
+
     qd, kd, vd = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
-    return _attend(qd, kd, vd, None, scale, is_causal, 0.0, None, None)
+    od, lsed = _attend(qd, kd, vd, None, scale, is_causal, 0.0, None, None)
+    if not write:
+        held_out, held_lse = lay.gather(out), lay.gather(lse.unsqueeze(-1)).squeeze(-1)
+        held_out = torch.where(held_lse.isneginf().unsqueeze(-1), 0.0, held_out)  # holds nothing
+        od, lsed = merge_partials([held_out, od], [held_lse, lsed])
+    lay.scatter(out, od.to(out.dtype))
+    lay.scatter(lse.unsqueeze(-1), lsed.unsqueeze(-1))
 
 
 @dilated_block_attention.register_fake
-def _(q, k, v, layout, scale, is_causal):
-    lay = BranchLayout(*layout)
-    rows = lay.gathered_shape(q.shape[0], v.shape[-1], kv=False, rows=False)
-    return q.new_empty(rows), q.new_empty(rows[:-1], dtype=stat_dtype(q.dtype))
-
-
-def _dilated_setup_context(ctx, inputs, output):
-    q, k, v, layout, scale, is_causal = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.layout, ctx.scale, ctx.is_causal = layout, scale, is_causal
-
-
-def _dilated_backward(ctx, dout, dlse):
-    """Through the gathered rows: ``block_attention``'s backward, added back at the lattice."""
-    q, k, v, out, lse = ctx.saved_tensors
-    lay = BranchLayout(*ctx.layout)
-    qd, kd, vd = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
-    grads = _block_grads(qd, kd, vd, None, out, lse, dout, dlse, (ctx.scale, ctx.is_causal))
-    totals = [torch.zeros_like(x) for x in (q, k, v)]
-    for total, g, kv in zip(totals, grads, (False, True, True)):
-        lay.scatter_add(total, g, kv=kv)
-    return (*totals, None, None, None)
-
-
-dilated_block_attention.register_autograd(_dilated_backward, setup_context=_dilated_setup_context)
+def _(out, lse, q, k, v, layout, scale, is_causal, write) -> None:
+    return None
 
 
 @torch.library.custom_op("ring_rewrite::dilated_block_backward", mutates_args=("dq", "dk", "dv"))
@@ -437,12 +430,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, bias, out, lse = ctx.saved_tensors
-    dq, dk, dv = _block_grads(q, k, v, bias, out, lse, dout, dlse, (ctx.scale, ctx.is_causal, *ctx.drop))
-    return dq, dk, dv, *(None for _ in range(3 + len(ctx.drop)))
-
-
-def _block_grads(q, k, v, bias, out, lse, dout, dlse, args: tuple):
-    """A block's ``dq, dk, dv`` from the gradients of its ``out`` and ``lse``."""
+    args = (ctx.scale, ctx.is_causal, *ctx.drop)
     dq, dk, dv = block_attention_backward(dout, q, k, v, out, lse, bias, *args)
     if dlse is not None:
         # d lse / d s = P, so dlse adds P * dlse to dS. The kernel's dS is P * (dP - rowsum(dO*O));
@@ -451,7 +439,7 @@ def _block_grads(q, k, v, bias, out, lse, dout, dlse, args: tuple):
         fake_out = (-dlse / dout.shape[-1]).unsqueeze(-1).to(out.dtype).expand_as(out).contiguous()
         dq2, dk2, _ = block_attention_backward(ones, q, k, torch.zeros_like(v), fake_out, lse, bias, *args)
         dq, dk = dq + dq2, dk + dk2
-    return dq, dk, dv
+    return dq, dk, dv, *(None for _ in range(3 + len(ctx.drop)))
 
 
 block_attention.register_autograd(_backward, setup_context=_setup_context)

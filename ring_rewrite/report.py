@@ -8,7 +8,9 @@ and backward bodies. Three facts of the generated code set it:
 
 * The forward's merge is pointwise, so inductor computes it in one kernel at the end, and every
   branch's dilated out and lse wait for it; within a ring the same holds for a head chunk: the
-  out of every block of every step waits for its last step. The backward's gradients are added
+  out of every block of every step waits for its last step. Local branches run in place merge
+  into a running out and lse as they attend (Note [Local branches in place] in
+  ``attention.py``): site-sized from the first on, the one partial that the rings' join. The backward's gradients are added
   to the site's sums in place, branch by branch (``ops.undilate_add``, Note [Gradient sums as
   calls] in ``attention.py``): a branch's dilated dq, dk, dv are gone once added. The sums, in
   ``stat_dtype``, exist from the first branch that adds to them on (a lone rate-1 branch's
@@ -369,8 +371,14 @@ def _locals_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
 
 def _forward_peak(plan: SitePlan) -> int:
     out, lse = _site_out(plan)
-    peak, held = _branches_peak(plan, _branch_outs, backward=False)
-    peak = max(peak, held + (0 if _in_place(plan) else out + lse))
+    if plan.local_in_place:
+        # The local branches' running out and lse, site-sized, from the first on; the rings run
+        # beside them, and their outs merge with them into the site's.
+        peak, held = _rings_peak(plan, _branch_outs, backward=False)
+        peak = out + lse + max(peak, held + (out + lse if held else 0))
+    else:
+        peak, held = _branches_peak(plan, _branch_outs, backward=False)
+        peak = max(peak, held + (0 if _in_place(plan) else out + lse))
     if plan.gathers:  # every rank's out received, then stacked (and assembled)
         peak = max(peak, out + lse + 2 * plan.world * out)
     return peak

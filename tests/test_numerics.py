@@ -418,9 +418,13 @@ def test_dynamic_sequence_length_specialised_without_buckets():
 # ---- inductor ---------------------------------------------------------------------------------
 
 
-def test_inductor_multi_branch_causal_gqa():
-    config = ([16, 32], [1, 2])
-    batch, hq, hkv, n, d = 1, 4, 2, 48, 16
+@pytest.mark.parametrize(
+    "config, n", [(([16, 32], [1, 2]), 48), (([16, 64], [2, 1]), 64)], ids=["padded", "rate-1-last"]
+)
+def test_inductor_multi_branch_causal_gqa(config, n):
+    # At 64 tokens the local branches run in place (Note [Local branches in place]), the first
+    # at rate 2: the running out and lse start empty, and the rate-1 branch merges into them.
+    batch, hq, hkv, d = 1, 4, 2, 16
     q, k, v = _inputs(batch, hq, hkv, n, d, d)
     dout = torch.randn(batch, hq, n, d)
     fn = _compile(config, compiler="inductor", is_causal=True, enable_gqa=True)

@@ -195,26 +195,51 @@ _LAYOUT_IDS = lambda f: "w{}r{}b{}h{}kv{}o{}".format(*f[:2], *f[3:])  # noqa: E7
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("fields", IN_PLACE_LAYOUTS, ids=_LAYOUT_IDS)
-def test_dilated_block_attention_reads_a_branchs_rows_in_place(fields, is_causal):
-    """A local branch's blocks read where the rows lie (Note [Local branches in place] in
-    ``attention.py``) are ``block_attention`` of the gathered rows (float64, aten's kernel);
-    its autograd (through the gathers) passes gradcheck."""
+def test_dilated_block_attention_merges_a_branch_in_place(fields, is_causal):
+    """A local branch's blocks read where the rows lie, their results merged into the site's
+    running out and lse in place (Note [Local branches in place] in ``attention.py``): at the
+    branch's rows, attention over both key sets (float64, aten's kernel on the gathered rows,
+    merged by ``logaddexp``); rows whose lse is ``-inf`` held nothing and take the branch's;
+    every other position is untouched. With ``write`` (rate 1) every position is written."""
     from ring_rewrite.dilation import BranchLayout
 
     layout = BranchLayout(*fields)
     b, n, hq, hkv = layout.batch, layout.n, layout.hq, layout.hkv
     q, k, v = _site_rows(b, n, hq, 8), _site_rows(b, n, hkv, 8), _site_rows(b, n, hkv, 6)
-    out, lse = torch.ops.ring_rewrite.dilated_block_attention(q, k, v, fields, 0.35, is_causal)
+    out, lse = _site_rows(b, n, hq, 6), 2 * torch.randn(b, hq, n)
+    lse[..., ::5], out[..., ::5, :] = float("-inf"), float("nan")  # rows that hold nothing yet
     gathered = [layout.gather(x.double(), kv=kv) for x, kv in ((q, False), (k, True), (v, True))]
-    want_out, want_lse = block_attention(*gathered, None, 0.35, is_causal)
-    assert out.shape == want_out.shape and lse.shape == want_lse.shape and lse.dtype == torch.float32
-    assert rel_err(out, want_out) < 1e-5 and rel_err(lse, want_lse) < 1e-6
-    inputs = [x.double().requires_grad_() for x in (q, k, v)]
-    torch.autograd.gradcheck(
-        lambda *x: torch.ops.ring_rewrite.dilated_block_attention(*x, fields, 0.35, is_causal), inputs,
-        fast_mode=True,
-    )
-    torch.library.opcheck(torch.ops.ring_rewrite.dilated_block_attention, (q, k, v, fields, 0.35, is_causal))
+    got_out, got_lse = block_attention(*gathered, None, 0.35, is_causal)
+    held_out, held_lse = layout.gather(out.double()), layout.gather(lse.double().unsqueeze(-1)).squeeze(-1)
+    both = torch.logaddexp(held_lse, got_lse)
+    held_out = torch.where(held_lse.isneginf().unsqueeze(-1), 0.0, held_out)  # what a NaN row holds
+    merged = (held_lse - both).exp().unsqueeze(-1) * held_out + (got_lse - both).exp().unsqueeze(-1) * got_out
+    want_out, want_lse = out.double(), lse.double()  # copies
+    layout.scatter(want_out, merged)
+    layout.scatter(want_lse.unsqueeze(-1), both.unsqueeze(-1))
+    # In place in float32 (flash_cpu.c, where the layout allows) and gathered in float64.
+    for dtype in (torch.float32, torch.float64):
+        o, l = out.to(dtype, copy=True), lse.to(dtype, copy=True)
+        args = (q.to(dtype), k.to(dtype), v.to(dtype), fields, 0.35, is_causal)
+        torch.ops.ring_rewrite.dilated_block_attention(o, l, *args, False)
+        empty = want_lse.isneginf()  # rows this branch does not reach, which held nothing
+        assert torch.equal(l.isneginf(), empty) and torch.equal(o.isnan(), want_out.isnan()), dtype
+        assert rel_err(o[~empty], want_out[~empty]) < 1e-5 and rel_err(l[~empty], want_lse[~empty]) < 1e-6, dtype
+        if layout.r == 1:  # every position written, nothing read
+            o, l = torch.full_like(o, float("nan")), torch.full_like(l, float("nan"))
+            torch.ops.ring_rewrite.dilated_block_attention(o, l, *args, True)
+            assert rel_err(o, _undilated(layout, got_out, o)) < 1e-5
+            assert rel_err(l, _undilated(layout, got_lse.unsqueeze(-1), l.unsqueeze(-1)).squeeze(-1)) < 1e-6
+    args = (out.clone(), lse.clone(), q, k, v, fields, 0.35, is_causal, False)
+    torch.library.opcheck(torch.ops.ring_rewrite.dilated_block_attention, args)
+
+
+def _undilated(layout, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``rows`` (gathered query rows) at their positions of a float64 tensor shaped ``like``, NaN
+    elsewhere."""
+    total = torch.full(like.shape, float("nan"), dtype=torch.float64)
+    layout.scatter(total, rows)
+    return total
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

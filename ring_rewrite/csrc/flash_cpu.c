@@ -20,12 +20,14 @@
  *
  * Tensors: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), dout and out (B, Hq, L, Dv),
  * lse (B, Hq, L), each with unit stride in its last dim; GQA by head groups (query head h reads
- * kv head h / (Hq / Hkv)). Each tensor but the forward's out and lse (written contiguous) comes
- * with a layout `st` (elements): batch b, head h, row i at b / nseg * st[0] + b % nseg * st[1] +
- * st[3 + h] + i * st[2]. A plain tensor has nseg = 1 and st[3 + h] = h times its head stride; a
- * dilated branch's rows read in place have the segments as batches and each head's lattice
- * offset in st[3 + h] (a row stride must fit an int). The backward writes dq, dk, dv, or with
- * `accumulate` adds to them (no two kv heads' rows may then be the same). Causal is top-left:
+ * kv head h / (Hq / Hkv)). Each tensor comes with a layout `st` (elements): batch b, head h,
+ * row i at b / nseg * st[0] + b % nseg * st[1] + st[3 + h] + i * st[2]. A plain tensor has
+ * nseg = 1 and st[3 + h] = h times its head stride; a dilated branch's rows read in place have
+ * the segments as batches and each head's lattice offset in st[3 + h] (a row stride must fit an
+ * int). The forward writes out and lse, or with `merge` merges its rows into what they hold (a
+ * row of lse -inf holds nothing): the out and lse of attention over both key sets, as
+ * merge.py's merge_partials. The backward writes dq, dk, dv, or with `accumulate` adds to them
+ * (no two kv heads' rows may then be the same). Causal is top-left:
  * row i sees keys 0..i. A backward row whose lse is infinite (nothing to attend) contributes
  * nothing.
  */
@@ -87,9 +89,10 @@ static inline int64_t seen(int causal, int64_t row, int64_t n, int64_t kb) {
 }
 
 void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const int64_t *ks,
-                      const float *v, const int64_t *vs, float *out, float *lse, int64_t B,
-                      int64_t Hq, int64_t Hkv, int64_t L, int64_t S, int64_t D, int64_t Dv,
-                      int64_t TQ, int64_t nseg, float scale, int causal, int threads) {
+                      const float *v, const int64_t *vs, float *out, const int64_t *os, float *lse,
+                      const int64_t *ls, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S,
+                      int64_t D, int64_t Dv, int64_t TQ, int64_t nseg, float scale, int causal,
+                      int merge, int threads) {
     const int64_t tiles = (L + TQ - 1) / TQ, group = Hq / Hkv;
 #pragma omp parallel num_threads(threads)
     {
@@ -129,11 +132,21 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
                 gemm('N', 'N', Dv, tq, kb, 1.0f, vh + n * vs[2], vs[2], sc, TK, n ? 1.0f : 0.0f,
                      acc, Dv);
             }
-            float *o = out + ((b * Hq + h) * L + m) * Dv, *l = lse + (b * Hq + h) * L + m;
             for (int64_t r = 0; r < tq; r++) {
+                float *o = out + at(os, nseg, b, h, m + r), *l = lse + at(ls, nseg, b, h, m + r);
+                const float *a = acc + r * Dv, got = sum[r] > 0.0f ? mx[r] + logf(sum[r]) : -INFINITY;
                 const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
-                for (int64_t c = 0; c < Dv; c++) o[r * Dv + c] = acc[r * Dv + c] * inv;
-                l[r] = sum[r] > 0.0f ? mx[r] + logf(sum[r]) : -INFINITY;
+                if (!merge || *l == -INFINITY) {
+                    for (int64_t c = 0; c < Dv; c++) o[c] = a[c] * inv;
+                    *l = got;
+                } else if (got > -INFINITY) {
+                    /* Into what earlier branches left here: the softmax over both key sets. */
+                    const float top = *l > got ? *l : got;
+                    const float wo = expf(*l - top), wa = expf(got - top), total = wo + wa;
+                    const float keep = wo / total, add = inv * wa / total;
+                    for (int64_t c = 0; c < Dv; c++) o[c] = keep * o[c] + add * a[c];
+                    *l = top + logf(total);
+                }
             }
         }
         free(sc);
