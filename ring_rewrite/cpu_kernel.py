@@ -8,30 +8,42 @@ and, causal, runs each query tile's last key tile to its end: on a 2048-row bloc
 quarter more pairs than the useful ones, and its share of ``torch.mm``'s rate falls from about
 93 % on a full square to 65 to 75 % on the causal one (forward + backward, this machine; blocks
 under 768 rows fare worse: its 64-row tiles still run 512 keys, and a causal 512 square runs at
-30 %). ``flash_cpu.c`` is the same algorithm (FlashAttention-2) with query tiles of a 32nd of
-the block (``query_tile``, 64 to 256 rows) that stop at their last row's diagonal: on causal
-blocks of 2048 to 16384 rows it ran at 90 to 110 % of ``torch.mm``'s rate measured beside it,
-where aten's ran at 67 to 82 % (benchmarks/README.md, section 1). Its products are MKL's
-``sgemm`` (torch's own, the address taken from ``libtorch_cpu``), its threads torch's OpenMP
-runtime at ``torch.get_num_threads()``: forward, a task per (batch, head, query tile); backward,
-per (batch, kv head), which owns its dK and dV. Backward tasks too few to give every thread one
-(the local branches' head chunks run one head of a few segments: at 16k tokens a chunk of the
-16384-token branch is one task) are shared by all threads, each taking a slice of every query
-tile's keys and its dQ share, which they then sum (one task on two threads ran at 45 % of
-``torch.mm`` before, 90 to 100 % after). It writes ``out``, ``dq``, ``dk`` and ``dv``
-contiguous (aten's come in its own layout and were copied), reads GQA's kv heads in place and
-takes ``d != dv`` as they are. Both ways it also reads and writes every operand at a layout of
-the caller's: a local branch's lattice rows inside the site's own tensors, segments as batches
-and each kernel head's offset of its own (``forward_in_place``, ``backward_in_place``; Note
-[Local branches in place] in ``attention.py``); forward it then merges its rows into the out
-and lse they hold, backward it adds its gradients to theirs.
+30 %). ``flash_cpu.c`` is the same algorithm (FlashAttention-2) with short query tiles (64 rows
+with AVX-512) that stop at their last row's diagonal. Its first version called MKL's ``sgemm``
+(torch's own) for each product of a query tile and a key tile, and ran at 90 to 110 % of
+``torch.mm``'s rate measured beside it on causal blocks of 2048 to 16384 rows where aten's ran
+at 67 to 82 %; but BLAS packs both operands of every call, and a tile's products are small (a
+64-row query tile against 256 keys of 64 dims): ``perf`` put 13 % of the kernel's time in MKL's
+packing copies, forward and backward, and the full step stalled at 122 to 144 GFLOP/s while
+``torch.mm`` read up to 190 (benchmarks/README.md, section 1). Now every product is a register
+tile of its own (``tile`` in ``flash_cpu.c``: 6 rows by 4 vectors of 16 lanes with AVX-512), one
+operand broadcast from where it lies, the other loaded by rows, so nothing is packed per call:
+forward, S^T (keys by queries) from k's rows against the query tile transposed once, each
+query's max and sum across vector lanes, out^T from v's rows; backward, key tile by key tile (K
+and V transposed once a key tile), S and dP against every query tile that sees it, dV and dK
+summed in the key tile's own scratch. Forward 134 -> 160, backward 142 -> 156 GFLOP/s on 2048-row
+causal blocks alone, the full single-device step 101 to 105 % of ``torch.mm`` (section 1). No
+BLAS is called, so the build needs nothing of torch's; the vector width and tile follow the
+target (AVX-512, AVX2, NEON, SSE; the tests pass built for each x86 one here, AVX-512 timed).
+Threads are torch's OpenMP runtime at ``torch.get_num_threads()``: forward, a task per (batch,
+head, query tile); backward, per (batch, kv head), which owns its dK and dV. Backward tasks too
+few to give every thread one (the local branches' head chunks run one head of a few segments: at
+16k tokens a chunk of the 16384-token branch is one task) are shared by all threads, each taking
+a slice of the query tiles that see a key tile, the key tile's dK and dV then summed across them.
+It writes ``out``, ``dq``, ``dk`` and ``dv`` contiguous (aten's come in its own layout and were
+copied), reads GQA's kv heads in place and takes ``d != dv`` as they are. Both ways it also reads
+and writes every operand at a layout of the caller's: a local branch's lattice rows inside the
+site's own tensors, segments as batches and each kernel head's offset of its own
+(``forward_in_place``, ``backward_in_place``; Note [Local branches in place] in ``attention.py``);
+forward it then merges its rows into the out and lse they hold, backward it adds its gradients to
+theirs.
 
 It serves float32 blocks without a bias (``serves``): causal or full, which is every block of
 a site without a key mask, padding or band. The rest (float64, a bias) runs aten's kernel, as
 does everything where no C compiler builds the library (a warning says why, once).
 
 The library is built with the C compiler inductor's CPU code needs anyway (``$CC``, else
-``cc``), about half a second, into ``ring_rewrite/`` under inductor's cache directory, named by
+``cc``), about a second, into ``ring_rewrite/`` under inductor's cache directory, named by
 a hash of the source, the flags and this machine's CPU flags (``-march=native``); ranks
 building at once each write their own file and rename it into place.
 """
@@ -53,7 +65,6 @@ __all__ = ["serves", "available", "forward", "forward_in_place", "backward", "ba
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "flash_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
-_INT_MAX = 2**31 - 1  # sgemm's leading dimensions are ints
 
 
 def _cpu_flags() -> str:
@@ -96,14 +107,12 @@ def _library() -> ctypes.CDLL | None:
     """The built library, or None (with a warning) where it cannot be built."""
     try:
         lib = ctypes.CDLL(_build())
-        blas = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        lib.rr_set_sgemm(ctypes.cast(blas.sgemm_, ctypes.c_void_p))
-    except (OSError, RuntimeError, AttributeError) as e:
+    except (OSError, RuntimeError) as e:
         warnings.warn(f"ring_rewrite: the CPU block kernel is not available ({e}); blocks run aten's flash kernel")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rr_flash_forward.argtypes = [ptr] * 10 + [i64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3
-    lib.rr_flash_backward.argtypes = [ptr] * 18 + [i64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3
+    lib.rr_flash_forward.argtypes = [ptr] * 10 + [i64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
+    lib.rr_flash_backward.argtypes = [ptr] * 18 + [i64] * 8 + [ctypes.c_float] + [ctypes.c_int] * 3
     return lib
 
 
@@ -113,11 +122,11 @@ def available() -> bool:
 
 
 def serves(*tensors: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``flash_cpu.c`` runs this block: float32 on CPU, no bias, and every row stride
-    within an int. Builds the library on the first call that would use it."""
+    """Whether ``flash_cpu.c`` runs this block: float32 on CPU, no bias, nothing empty. Builds the
+    library on the first call that would use it."""
     if bias is not None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return False
-    if any(t.numel() == 0 or (t.dim() == 4 and t.stride(2) > _INT_MAX) for t in tensors):
+    if any(t.numel() == 0 for t in tensors):
         return False
     return _library() is not None
 
@@ -135,23 +144,16 @@ def _strides(x: torch.Tensor, layout: list[int] | None = None) -> ctypes.Array:
     return (ctypes.c_int64 * len(layout))(*layout)
 
 
-def query_tile(length: int) -> int:
-    """Query rows a tile: a 32nd of the block, from 64 to 256 rows. A causal tile computes half
-    its square past the diagonal (about 3 % of a causal block's pairs so); a long block's tiles
-    are long, so that each streams the keys (and, backward, their gradients) fewer times."""
-    return min(256, max(64, length // 32))
-
-
 def _sizes(q, k, v) -> list[int]:
     (b, hq, length, d), (hkv, keys), dv = q.shape, k.shape[1:3], v.shape[-1]
-    return [b, hq, hkv, length, keys, d, dv, query_tile(length)]
+    return [b, hq, hkv, length, keys, d, dv]
 
 
 def forward(q, k, v, scale: float, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one block: ``out (B, Hq, L, Dv)`` contiguous, ``lse (B, Hq, L)``."""
     q, k, v = (_unit_stride(x) for x in (q, k, v))
     sizes = _sizes(q, k, v)
-    b, hq, _, length, _, _, dv, _ = sizes
+    b, hq, _, length, _, _, dv = sizes
     out, lse = q.new_empty((b, hq, length, dv)), q.new_empty((b, hq, length))
     tensors = (q, k, v, out, lse)
     _forward([(t, _strides(t)) for t in tensors], sizes, 1, scale, is_causal, False)

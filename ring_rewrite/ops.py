@@ -299,7 +299,7 @@ def _in_place(layout: BranchLayout, *operands: torch.Tensor) -> bool:
 def _kernel_sizes(layout: BranchLayout, q: torch.Tensor, v: torch.Tensor) -> list[int]:
     """``cpu_kernel``'s sizes of a local branch's blocks (``_sizes`` of its kernel layout)."""
     m, d, dv = layout.m, q.shape[-1], v.shape[-1]
-    return [layout.batch * layout.nseg, layout.hq, layout.kv_heads, m, m, d, dv, cpu_kernel.query_tile(m)]
+    return [layout.batch * layout.nseg, layout.hq, layout.kv_heads, m, m, d, dv]
 
 
 @torch.library.custom_op("ring_rewrite::dilated_block_attention", mutates_args=("out", "lse"))

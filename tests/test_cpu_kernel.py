@@ -1,7 +1,8 @@
 """The CPU block kernel (``ring_rewrite/cpu_kernel.py``, ``csrc/flash_cpu.c``) against float64.
 
-Shapes cross its tiles (64 query rows, 256 keys): lengths below, at and past them, ``L != S``
-both ways (causal is top-left), GQA, ``d != dv``, strided and dilated inputs. The backward is
+Shapes cross its tiles (query tiles of 8 to 64 rows, by the target's vectors; 256 keys):
+lengths below, at and past them, ``L != S`` both ways (causal is top-left), GQA, ``d != dv``,
+head dims that are no multiple of a vector (the kernel pads them), strided and dilated inputs. The backward is
 checked as the ring uses it: each block's share from the *merged* ``out`` and ``lse`` sums to
 the whole gradient, and a row whose ``lse`` is ``+inf`` gives nothing.
 """
@@ -55,6 +56,8 @@ CASES = [
     (1, 3, 3, 100, 600, 8, 8, True),  # S > L: keys past the last row get no gradient
     (2, 2, 2, 700, 700, 64, 64, True),
     (1, 4, 2, 257, 257, 24, 16, False),
+    (1, 3, 1, 130, 130, 17, 5, True),  # d, dv no multiple of any vector width
+    (1, 2, 2, 2100, 2100, 64, 64, True),  # key tiles of 256 in full, a query tile cut short
 ]
 
 
@@ -121,15 +124,6 @@ def test_a_row_with_nothing_to_attend_gives_no_gradient():
     torch.testing.assert_close(dv, dv_kept, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [64, 128, 256])
-def test_every_query_tile_size(rows, monkeypatch):
-    """Blocks of 2048 rows and more get longer tiles (``query_tile``): each size, on a block
-    whose rows end mid-tile, causal and not."""
-    monkeypatch.setattr(cpu_kernel, "query_tile", lambda length: rows)
-    test_forward_and_backward_against_float64((1, 4, 2, 700, 600, 32, 16, True), "heads inside")
-    test_forward_and_backward_against_float64((1, 2, 2, 300, 900, 16, 16, False), "contiguous")
-
-
 def test_the_same_on_one_thread_or_two():
     q, k, v = _inputs(2, 4, 2, 300, 300, 32, 32)
     dout = torch.randn(2, 4, 300, 32, generator=torch.Generator().manual_seed(3))
@@ -153,13 +147,14 @@ def test_the_same_on_one_thread_or_two():
         (1, 2, 1, 700, 700, 32, 16, True),  # one (batch, kv head): every thread shares it
         (1, 6, 3, 300, 530, 16, 16, False),  # three: whole ones first, then the rest shared
         (5, 1, 1, 257, 257, 8, 8, True),
-        (1, 2, 2, 40, 20, 8, 8, True),  # fewer keys than threads' slices of 16
+        (1, 2, 2, 40, 20, 8, 8, True),  # fewer query tiles than threads
     ],
     ids=lambda c: "b{}h{}/{}L{}S{}d{}/{}{}".format(*c[:7], "c" if c[7] else ""),
 )
 def test_backward_with_fewer_kv_heads_than_threads(case, threads):
     """The backward's tasks are (batch, kv head); where they do not fill every thread, the
-    threads share one, each taking a slice of every query tile's keys (``shared_task``)."""
+    threads share one, each taking a slice of the query tiles that see a key tile and summing
+    its dK, dV with the others (``head_task``)."""
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)

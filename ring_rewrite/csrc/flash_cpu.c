@@ -1,35 +1,40 @@
 /* Block attention on CPU, float32: forward (out, lse) and backward (dq, dk, dv).
  *
- * What aten's CPU flash kernel does, with two differences that matter to a dilated site, whose
- * every block is a causal square of a few thousand rows (Note [The CPU block kernel] in
- * cpu_kernel.py):
- *   - a causal query tile stops at its last row's diagonal: its last key tile is cut there,
- *     where aten's runs to the end of a 512-key tile (a quarter more pairs than the useful ones
- *     on a 2048-row block);
- *   - query tiles are short (TQ rows, the caller's choice: a 32nd of the block), so what a
- *     tile computes past the diagonal is small.
- * Scores, softmax statistics and the gradients' pieces are the textbook ones (FlashAttention-2,
- * Dao 2023, Algorithms 1 and 2): per query tile, over key tiles, S = scale q k^T, a running
- * max and sum (forward), P = exp(S - lse), dV += P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)),
- * dQ += scale dS K, dK += scale dS^T Q (backward). The products are one sgemm each (MKL's, whose
- * address the caller passes: torch's own BLAS). Threads are OpenMP's (torch's runtime: the same
- * libgomp; `threads` of them), one task a (batch, head, query tile) forward and a (batch, kv
- * head) backward, which owns its dK and dV, so nothing is shared. Backward tasks that would leave
- * threads idle (fewer left than threads: one head of one segment, as the local branches' head
- * chunks often run) are shared by every thread instead, each query tile's keys cut in slices.
+ * FlashAttention-2 (Dao 2023, Algorithms 1 and 2) with products of its own: S = scale q k^T, a
+ * running max and sum per query row (forward), P = exp(S - lse), dV += P^T dO, dP = dO V^T,
+ * dS = P (dP - rowsum(dO O)), dQ += scale dS K, dK += scale dS^T Q (backward). Every product is
+ * one register tile at a time (`tile`: MR rows by QV vectors, a row's factor broadcast, the other
+ * operand's row loaded), laid out so that each operand is read where it already lies or from a
+ * copy made once for many products: no BLAS call packs a P tile or a key tile again for each
+ * query tile (Note [The CPU block kernel] in cpu_kernel.py says what that cost).
+ *   - Forward, a task a (batch, head, query tile of TQ rows): the tile's q transposed and scaled
+ *     once; per key tile S^T (keys x queries) from k's rows, so that each query's max, sum and
+ *     rescaling run across vector lanes; out^T += V^T P^T from v's rows. A causal tile stops at
+ *     its last row's diagonal.
+ *   - Backward, a task a (batch, kv head), which owns its dK and dV, key tile by key tile (K and
+ *     V transposed, K in rows, once a key tile), every query tile that sees it (q scaled and dO in
+ *     rows, once a pair): S and dP (queries x keys), P and dS in place, then dV, dK into the key
+ *     tile's own sums and dQ into dq. Tasks that would leave threads idle (fewer left than threads:
+ *     one head of one segment, as the local branches' head chunks often run) are shared by every
+ *     thread, each taking a slice of the query tiles that see a key tile and summing the key
+ *     tile's dK, dV with the others after it.
+ * Sums over many terms are taken a register tile at a time and then added to what the rows hold,
+ * so a key seen by L queries sums L / TQ partial sums, not L terms one by one (as BLAS does).
+ * Threads are OpenMP's (torch's runtime: the same libgomp; `threads` of them). Vector width and
+ * tile shape follow the target (-march=native): 16 lanes and 6 x 4 vectors with AVX-512, 8 lanes
+ * and 6 x 2 with AVX, 4 lanes otherwise.
  *
  * Tensors: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), dout and out (B, Hq, L, Dv),
  * lse (B, Hq, L), each with unit stride in its last dim; GQA by head groups (query head h reads
  * kv head h / (Hq / Hkv)). Each tensor comes with a layout `st` (elements): batch b, head h,
  * row i at b / nseg * st[0] + b % nseg * st[1] + st[3 + h] + i * st[2]. A plain tensor has
  * nseg = 1 and st[3 + h] = h times its head stride; a dilated branch's rows read in place have
- * the segments as batches and each head's lattice offset in st[3 + h] (a row stride must fit an
- * int). The forward writes out and lse, or with `merge` merges its rows into what they hold (a
- * row of lse -inf holds nothing): the out and lse of attention over both key sets, as
- * merge.py's merge_partials. The backward writes dq, dk, dv, or with `accumulate` adds to them
- * (no two kv heads' rows may then be the same). Causal is top-left:
- * row i sees keys 0..i. A backward row whose lse is infinite (nothing to attend) contributes
- * nothing.
+ * the segments as batches and each head's lattice offset in st[3 + h]. The forward writes out
+ * and lse, or with `merge` merges its rows into what they hold (a row of lse -inf holds
+ * nothing): the out and lse of attention over both key sets, as merge.py's merge_partials. The
+ * backward writes dq, dk, dv, or with `accumulate` adds to them (no two kv heads' rows may then
+ * be the same). Causal is top-left: row i sees keys 0..i. A backward row whose lse is infinite
+ * (nothing to attend) contributes nothing.
  */
 #include <math.h>
 #include <omp.h>
@@ -37,22 +42,25 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *,
-                         const float *, const float *, const int *, const float *, const int *,
-                         const float *, float *, const int *);
-
-static sgemm_fn sgemm_ptr;
-
-void rr_set_sgemm(void *fn) { sgemm_ptr = (sgemm_fn)fn; }
-
-enum { TK = 256 }; /* keys a tile: 256 and 512 tie; query tile rows TQ are the caller's */
-
-/* Column-major sgemm on row-major buffers: C (m x n) = alpha op(A) op(B) + beta C, where
- * "row-major X with leading dim ld" is "column-major X^T". */
-static inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float *a,
-                        int lda, const float *b, int ldb, float beta, float *c, int ldc) {
-    sgemm_ptr(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
+/* Lanes a vector (VL) and vectors a register tile's row (QV): as many accumulators (MR QV) as
+ * the target's vector registers leave room for. */
+#if defined(__AVX512F__)
+#define VL 16
+#define QV 4
+#elif defined(__AVX__)
+#define VL 8
+#define QV 2
+#elif defined(__ARM_NEON)
+#define VL 4
+#define QV 4
+#else
+#define VL 4
+#define QV 2
+#endif
+/* Rows a register tile; query rows a query tile (the forward's S^T: its lanes); keys a key tile
+ * (256 and 128 tie). */
+enum { MR = 6, TQ = VL * QV, TK = 256 };
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
 /* exp(x) for x <= 0, to about 2 ulp: 2^n e^f with |f| <= ln2/2, e^f by its Taylor series to
  * f^7 (error < 2e-8 relative). Inputs below -87 give about 1e-38 (callers zero masked entries
@@ -76,6 +84,61 @@ static inline float exp_neg(float x) {
     return p * s.f;
 }
 
+/* One register tile: C[i, 0 : nv VL] (ldc apart; `add`: added to) = sum over k < kk of
+ * A(i, k) B[k, 0 : nv VL] for rows i < rows, where A(i, k) = a[i * ai + k * ak] (any strides:
+ * broadcast) and B's rows are ldb apart (loaded; aligned to VL floats). */
+static inline __attribute__((always_inline)) void tile(const int rows, const int nv, int64_t kk,
+                                                        const float *a, int64_t ai, int64_t ak,
+                                                        const float *b, int64_t ldb, float *c,
+                                                        int64_t ldc, int add) {
+    vf acc[MR][QV];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < nv; j++) acc[i][j] = (vf){};
+    for (int64_t k = 0; k < kk; k++) {
+        vf row[QV];
+        for (int j = 0; j < nv; j++) row[j] = *(const vf *)(b + k * ldb + j * VL);
+        for (int i = 0; i < rows; i++) {
+            const vf s = (vf){} + a[i * ai + k * ak];
+            for (int j = 0; j < nv; j++) acc[i][j] += s * row[j];
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < nv; j++) {
+            vf *to = (vf *)(c + i * ldc + j * VL);
+            *to = add ? *to + acc[i][j] : acc[i][j];
+        }
+}
+
+/* The rows of one column block of nv vectors: whole register tiles, then the rows left. */
+#define TILES(nv)                                                                                  \
+    do {                                                                                           \
+        int64_t i = 0;                                                                             \
+        for (; i + MR <= m; i += MR) tile(MR, nv, kk, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc, add); \
+        switch (m - i) {                                                                           \
+        case 5: tile(5, nv, kk, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc, add); break;         \
+        case 4: tile(4, nv, kk, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc, add); break;         \
+        case 3: tile(3, nv, kk, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc, add); break;         \
+        case 2: tile(2, nv, kk, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc, add); break;         \
+        case 1: tile(1, nv, kk, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc, add); break;         \
+        }                                                                                          \
+    } while (0)
+
+/* C (m x n, ldc; `add`: added to) = A B: A (m x kk) at a[i * ai + k * ak], B (kk x n) in rows
+ * ldb apart; n, ldb, ldc and B's and C's addresses multiples of VL floats. */
+static void product(int64_t m, int64_t n, int64_t kk, const float *a, int64_t ai, int64_t ak,
+                    const float *b, int64_t ldb, float *c, int64_t ldc, int add) {
+    for (int64_t j = 0; j < n; j += QV * VL, b += QV * VL, c += QV * VL) {
+        const int64_t nv = (n - j) / VL < QV ? (n - j) / VL : QV;
+        if (nv == QV) TILES(QV);
+#if QV == 4
+        else if (nv == 3) TILES(3);
+        else if (nv == 2) TILES(2);
+#endif
+        else TILES(1);
+    }
+}
+#undef TILES
+
 /* Element offset of batch b, head h, row i of a tensor of layout st (as in the header). */
 static inline int64_t at(const int64_t *st, int64_t nseg, int64_t b, int64_t h, int64_t i) {
     return b / nseg * st[0] + b % nseg * st[1] + st[3 + h] + i * st[2];
@@ -88,68 +151,87 @@ static inline int64_t seen(int causal, int64_t row, int64_t n, int64_t kb) {
     return lim < 0 ? 0 : (lim > kb ? kb : lim);
 }
 
+static inline int64_t pad(int64_t n) { return (n + VL - 1) / VL * VL; }
+
+static void *scratch(int64_t floats) {
+    return aligned_alloc(VL * sizeof(float), sizeof(float) * pad(floats));
+}
+
 void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const int64_t *ks,
                       const float *v, const int64_t *vs, float *out, const int64_t *os, float *lse,
                       const int64_t *ls, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S,
-                      int64_t D, int64_t Dv, int64_t TQ, int64_t nseg, float scale, int causal,
-                      int merge, int threads) {
+                      int64_t D, int64_t Dv, int64_t nseg, float scale, int causal, int merge,
+                      int threads) {
     const int64_t tiles = (L + TQ - 1) / TQ, group = Hq / Hkv;
 #pragma omp parallel num_threads(threads)
     {
-        float *sc = malloc(sizeof(float) * (TQ * TK + TQ * Dv + 2 * TQ));
-        float *acc = sc + TQ * TK, *mx = acc + TQ * Dv, *sum = mx + TQ;
+        /* S^T and P^T (keys x queries), q^T scaled, out^T, each query's max and sum. */
+        float *st = scratch(TK * TQ + D * TQ + Dv * TQ + 2 * TQ);
+        float *qt = st + TK * TQ, *acc = qt + D * TQ, *mx = acc + Dv * TQ, *sum = mx + TQ;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hq * tiles; task++) {
             const int64_t b = task / (Hq * tiles), h = task / tiles % Hq, m = task % tiles * TQ;
             const int64_t tq = L - m < TQ ? L - m : TQ, hk = h / group;
-            const float *qt = q + at(qs, nseg, b, h, m);
+            const float *qh = q + at(qs, nseg, b, h, m);
             const float *kh = k + at(ks, nseg, b, hk, 0), *vh = v + at(vs, nseg, b, hk, 0);
             const int64_t bound = causal ? (m + tq < S ? m + tq : S) : S;
-            for (int64_t r = 0; r < tq; r++) mx[r] = -INFINITY, sum[r] = 0.0f;
+            for (int64_t d = 0; d < D; d++)
+                for (int64_t r = 0; r < TQ; r++) qt[d * TQ + r] = r < tq ? scale * qh[r * qs[2] + d] : 0.0f;
+            for (int64_t r = 0; r < TQ; r++) mx[r] = -INFINITY, sum[r] = 0.0f;
+            memset(acc, 0, sizeof(float) * Dv * TQ);
             for (int64_t n = 0; n < bound; n += TK) {
                 const int64_t kb = bound - n < TK ? bound - n : TK;
-                gemm('T', 'N', kb, tq, D, scale, kh + n * ks[2], ks[2], qt, qs[2], 0.0f, sc, TK);
-                for (int64_t r = 0; r < tq; r++) {
-                    float *row = sc + r * TK;
-                    const int64_t lim = seen(causal, m + r, n, kb);
-                    float hi = mx[r];
-#pragma omp simd reduction(max : hi)
-                    for (int64_t c = 0; c < lim; c++) hi = row[c] > hi ? row[c] : hi;
-                    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t c = 0; c < lim; c++) {
-                        row[c] = exp_neg(row[c] - hi);
-                        s += row[c];
+                /* Keys past the diagonal of some row of the tile: key n + c, row m + r sees it
+                 * iff n + c <= m + r. */
+                const int64_t cut = causal ? (m - n + 1 > 0 ? m - n + 1 : 0) : kb;
+                product(kb, TQ, D, kh + n * ks[2], ks[2], 1, qt, TQ, st, TQ, 0); /* S^T = K (scale q)^T */
+                for (int64_t c = cut; c < kb; c++)
+                    for (int64_t r = 0; r < n + c - m && r < TQ; r++) st[c * TQ + r] = -INFINITY;
+                float hi[TQ], tot[TQ];
+                for (int64_t r = 0; r < TQ; r++) hi[r] = mx[r], tot[r] = 0.0f;
+                for (int64_t c = 0; c < kb; c++)
+#pragma omp simd
+                    for (int64_t r = 0; r < TQ; r++) hi[r] = st[c * TQ + r] > hi[r] ? st[c * TQ + r] : hi[r];
+                for (int64_t c = 0; c < kb; c++)
+#pragma omp simd
+                    for (int64_t r = 0; r < TQ; r++) {
+                        const float e = exp_neg(st[c * TQ + r] - hi[r]);
+                        st[c * TQ + r] = e;
+                        tot[r] += e;
                     }
-                    for (int64_t c = lim; c < kb; c++) row[c] = 0.0f;
-                    if (lim == 0) continue;
-                    const float shrink = mx[r] == -INFINITY ? 0.0f : exp_neg(mx[r] - hi);
-                    sum[r] = sum[r] * shrink + s;
-                    mx[r] = hi;
-                    if (n > 0)
-                        for (int64_t c = 0; c < Dv; c++) acc[r * Dv + c] *= shrink;
+                for (int64_t c = cut; c < kb; c++)
+                    for (int64_t r = 0; r < n + c - m && r < TQ; r++) st[c * TQ + r] = 0.0f;
+                float shrink[TQ];
+#pragma omp simd
+                for (int64_t r = 0; r < TQ; r++) {
+                    shrink[r] = exp_neg(mx[r] - hi[r]); /* mx = -inf: about 1e-38 of nothing */
+                    sum[r] = sum[r] * shrink[r] + tot[r];
+                    mx[r] = hi[r];
                 }
-                gemm('N', 'N', Dv, tq, kb, 1.0f, vh + n * vs[2], vs[2], sc, TK, n ? 1.0f : 0.0f,
-                     acc, Dv);
+                if (n > 0)
+                    for (int64_t d = 0; d < Dv; d++)
+#pragma omp simd
+                        for (int64_t r = 0; r < TQ; r++) acc[d * TQ + r] *= shrink[r];
+                product(Dv, TQ, kb, vh + n * vs[2], 1, vs[2], st, TQ, acc, TQ, 1); /* out^T += V^T P^T */
             }
             for (int64_t r = 0; r < tq; r++) {
                 float *o = out + at(os, nseg, b, h, m + r), *l = lse + at(ls, nseg, b, h, m + r);
-                const float *a = acc + r * Dv, got = sum[r] > 0.0f ? mx[r] + logf(sum[r]) : -INFINITY;
+                const float got = sum[r] > 0.0f ? mx[r] + logf(sum[r]) : -INFINITY;
                 const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
                 if (!merge || *l == -INFINITY) {
-                    for (int64_t c = 0; c < Dv; c++) o[c] = a[c] * inv;
+                    for (int64_t c = 0; c < Dv; c++) o[c] = acc[c * TQ + r] * inv;
                     *l = got;
                 } else if (got > -INFINITY) {
                     /* Into what earlier branches left here: the softmax over both key sets. */
                     const float top = *l > got ? *l : got;
                     const float wo = expf(*l - top), wa = expf(got - top), total = wo + wa;
                     const float keep = wo / total, add = inv * wa / total;
-                    for (int64_t c = 0; c < Dv; c++) o[c] = keep * o[c] + add * a[c];
+                    for (int64_t c = 0; c < Dv; c++) o[c] = keep * o[c] + add * acc[c * TQ + r];
                     *l = top + logf(total);
                 }
             }
         }
-        free(sc);
+        free(st);
     }
 }
 
@@ -158,138 +240,157 @@ struct grads {
     const float *dout, *q, *k, *v, *out, *lse;
     const int64_t *dos, *qs, *ks, *vs, *os, *ls, *dqs, *dks, *dvs;
     float *dq, *dk, *dv;
-    int64_t B, Hq, Hkv, L, S, D, Dv, TQ, nseg;
+    int64_t B, Hq, Hkv, L, S, D, Dv, nseg;
     float scale;
     int causal, accumulate;
 };
 
-/* Per thread: P and dP tiles, a tile's rowsum(dO O) and lse, and (shared tasks) its dQ share. */
+/* Per thread: a key tile's K and V transposed (D x TK, Dv x TK; keys past the tile zero), K in
+ * rows (D padded to VL), its dK and dV sums; a query tile's P and dP, then dS (TQ x TK), its q
+ * scaled and its dO in rows (zero past the tile and where a row is dead), its dQ / scale; each
+ * query row's rowsum(dO O) and lse, every row of a kv head's group. */
 struct scratch {
-    float *p, *dp, *dsum, *lrow, *dq;
+    float *p, *dp, *kt, *vt, *kr, *dkt, *dvt, *qr, *dor, *dqr, *dsum, *lrow;
 };
 
-static void scratch_alloc(struct scratch *w, int64_t TQ, int64_t D) {
-    w->p = malloc(sizeof(float) * (2 * TQ * TK + 2 * TQ + TQ * D));
-    w->dp = w->p + TQ * TK, w->dsum = w->dp + TQ * TK, w->lrow = w->dsum + TQ, w->dq = w->lrow + TQ;
+static void scratch_alloc(struct scratch *w, const struct grads *a) {
+    const int64_t D = a->D, Dv = a->Dv, Dp = pad(D), Dvp = pad(Dv), rows = pad(a->Hq / a->Hkv * a->L);
+    w->p = scratch(2 * TQ * TK + (D + Dv) * TK + TK * (2 * Dp + Dvp) + TQ * (2 * Dp + Dvp) + 2 * rows);
+    w->dp = w->p + TQ * TK, w->kt = w->dp + TQ * TK, w->vt = w->kt + D * TK, w->kr = w->vt + Dv * TK;
+    w->dkt = w->kr + TK * Dp, w->dvt = w->dkt + TK * Dp, w->qr = w->dvt + TK * Dvp;
+    w->dor = w->qr + TQ * Dp, w->dqr = w->dor + TQ * Dvp, w->dsum = w->dqr + TQ * Dp;
+    w->lrow = w->dsum + rows;
 }
 
-/* The last key (exclusive) that rows [m, m + tq) see. */
-static inline int64_t key_bound(const struct grads *a, int64_t m, int64_t tq) {
-    return a->causal ? (m + tq < a->S ? m + tq : a->S) : a->S;
-}
-
-/* rowsum(dO O) and lse of query rows [m, m + tq) of head h into w. */
-static void tile_stats(const struct grads *a, struct scratch *w, int64_t b, int64_t h, int64_t m, int64_t tq) {
-    const float *dot = a->dout + at(a->dos, a->nseg, b, h, m);
-    const float *ot = a->out + at(a->os, a->nseg, b, h, m);
-    const float *lt = a->lse + at(a->ls, a->nseg, b, h, m);
-    for (int64_t r = 0; r < tq; r++) {
-        float s = 0.0f;
-        for (int64_t c = 0; c < a->Dv; c++) s += dot[r * a->dos[2] + c] * ot[r * a->os[2] + c];
-        w->dsum[r] = s;
-        w->lrow[r] = lt[r * a->ls[2]];
+/* rowsum(dO O) and lse of every query row of kv head hk's group: row g * L + i of its g-th head. */
+static void head_stats(const struct grads *a, struct scratch *w, int64_t b, int64_t hk) {
+    const int64_t group = a->Hq / a->Hkv;
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t h = hk * group + g;
+        const float *dot = a->dout + at(a->dos, a->nseg, b, h, 0), *ot = a->out + at(a->os, a->nseg, b, h, 0);
+        const float *lt = a->lse + at(a->ls, a->nseg, b, h, 0);
+        for (int64_t r = 0; r < a->L; r++) {
+            float s = 0.0f;
+            for (int64_t c = 0; c < a->Dv; c++) s += dot[r * a->dos[2] + c] * ot[r * a->os[2] + c];
+            w->dsum[g * a->L + r] = s;
+            w->lrow[g * a->L + r] = lt[r * a->ls[2]];
+        }
     }
 }
 
-/* Query rows [m, m + tq) of head h against keys [k0, k1) (k0 < k1): their share of dK and dV
- * added to the kv head's rows (dkh, dvh: that head's first, in dk's and dv's layouts), their dQ
- * share written (`add`: added) to dqt (ld ldq). Needs tile_stats of the rows in w. */
-static void tile_backward(const struct grads *a, struct scratch *w, int64_t b, int64_t h, int64_t m,
-                          int64_t tq, int64_t k0, int64_t k1, float *dkh, float *dvh, float *dqt,
-                          int64_t ldq, int add) {
-    const int64_t hk = h / (a->Hq / a->Hkv), D = a->D, Dv = a->Dv, ldk = a->dks[2], ldv = a->dvs[2];
-    const float *kh = a->k + at(a->ks, a->nseg, b, hk, 0), *vh = a->v + at(a->vs, a->nseg, b, hk, 0);
-    const float *qt = a->q + at(a->qs, a->nseg, b, h, m);
-    const float *dot = a->dout + at(a->dos, a->nseg, b, h, m);
-    float *p = w->p, *dp = w->dp;
-    for (int64_t n = k0; n < k1; n += TK) {
-        const int64_t kb = k1 - n < TK ? k1 - n : TK;
-        gemm('T', 'N', kb, tq, D, a->scale, kh + n * a->ks[2], a->ks[2], qt, a->qs[2], 0.0f, p, TK);
-        gemm('T', 'N', kb, tq, Dv, 1.0f, vh + n * a->vs[2], a->vs[2], dot, a->dos[2], 0.0f, dp, TK);
-        for (int64_t r = 0; r < tq; r++) {
-            float *pr = p + r * TK, *dr = dp + r * TK;
-            const int64_t lim = isinf(w->lrow[r]) ? 0 : seen(a->causal, m + r, n, kb);
-            const float l = w->lrow[r], ds = w->dsum[r];
+/* Keys [n, n + kb) of kv head hk into w: K and V transposed, K in rows; their dK, dV sums zero. */
+static void key_tile(const struct grads *a, struct scratch *w, int64_t b, int64_t hk, int64_t n, int64_t kb) {
+    const int64_t D = a->D, Dv = a->Dv, Dp = pad(D), Dvp = pad(Dv);
+    const float *kh = a->k + at(a->ks, a->nseg, b, hk, n), *vh = a->v + at(a->vs, a->nseg, b, hk, n);
+    for (int64_t c = 0; c < TK; c++) {
+        for (int64_t d = 0; d < D; d++) w->kt[d * TK + c] = c < kb ? kh[c * a->ks[2] + d] : 0.0f;
+        for (int64_t d = 0; d < Dv; d++) w->vt[d * TK + c] = c < kb ? vh[c * a->vs[2] + d] : 0.0f;
+    }
+    for (int64_t c = 0; c < kb; c++) {
+        memcpy(w->kr + c * Dp, kh + c * a->ks[2], sizeof(float) * D);
+        memset(w->kr + c * Dp + D, 0, sizeof(float) * (Dp - D));
+    }
+    memset(w->dkt, 0, sizeof(float) * kb * Dp);
+    memset(w->dvt, 0, sizeof(float) * kb * Dvp);
+}
+
+/* Query rows [m, m + tq) of head h (the g-th of its group) against w's key tile [n, n + kb):
+ * their share of dK and dV added to w's sums, their dQ written (`add`: added) to dq. */
+static void pair(const struct grads *a, struct scratch *w, int64_t b, int64_t h, int64_t g, int64_t m,
+                 int64_t n, int64_t kb, int add) {
+    const int64_t D = a->D, Dv = a->Dv, Dp = pad(D), Dvp = pad(Dv), kbp = pad(kb);
+    const int64_t tq = a->L - m < TQ ? a->L - m : TQ;
+    const float *qh = a->q + at(a->qs, a->nseg, b, h, m), *doh = a->dout + at(a->dos, a->nseg, b, h, m);
+    const float *lrow = w->lrow + g * a->L + m, *dsum = w->dsum + g * a->L + m;
+    float *p = w->p, *dp = w->dp, *qr = w->qr, *dor = w->dor;
+    for (int64_t r = 0; r < TQ; r++) {
+        memset(qr + r * Dp, 0, sizeof(float) * Dp);
+        memset(dor + r * Dvp, 0, sizeof(float) * Dvp);
+        if (r >= tq || isinf(lrow[r])) continue;
+        for (int64_t d = 0; d < D; d++) qr[r * Dp + d] = a->scale * qh[r * a->qs[2] + d];
+        memcpy(dor + r * Dvp, doh + r * a->dos[2], sizeof(float) * Dv);
+    }
+    product(TQ, kbp, D, qr, Dp, 1, w->kt, TK, p, TK, 0);    /* S = (scale Q) K^T */
+    product(TQ, kbp, Dv, dor, Dvp, 1, w->vt, TK, dp, TK, 0); /* dP = dO V^T */
+    for (int64_t r = 0; r < TQ; r++) {
+        float *pr = p + r * TK, *dr = dp + r * TK;
+        const int64_t lim = r >= tq || isinf(lrow[r]) ? 0 : seen(a->causal, m + r, n, kb);
+        const float l = lim ? lrow[r] : 0.0f, ds = lim ? dsum[r] : 0.0f;
 #pragma omp simd
-            for (int64_t c = 0; c < lim; c++) {
-                const float e = exp_neg(pr[c] - l);
-                pr[c] = e;
-                dr[c] = e * (dr[c] - ds);
-            }
-            for (int64_t c = lim; c < kb; c++) pr[c] = 0.0f, dr[c] = 0.0f;
+        for (int64_t c = 0; c < lim; c++) {
+            const float e = exp_neg(pr[c] - l);
+            pr[c] = e;
+            dr[c] = e * (dr[c] - ds);
         }
-        gemm('N', 'T', Dv, kb, tq, 1.0f, dot, a->dos[2], p, TK, 1.0f, dvh + n * ldv, ldv);
-        gemm('N', 'N', D, tq, kb, a->scale, kh + n * a->ks[2], a->ks[2], dp, TK,
-             add || n > k0 ? 1.0f : 0.0f, dqt, ldq);
-        gemm('N', 'T', D, kb, tq, a->scale, qt, a->qs[2], dp, TK, 1.0f, dkh + n * ldk, ldk);
+        for (int64_t c = lim; c < kbp; c++) pr[c] = 0.0f, dr[c] = 0.0f;
+    }
+    product(kb, Dvp, TQ, p, 1, TK, dor, Dvp, w->dvt, Dvp, 1); /* dV += P^T dO */
+    product(kb, Dp, TQ, dp, 1, TK, qr, Dp, w->dkt, Dp, 1);    /* dK += dS^T (scale Q) */
+    product(TQ, Dp, kb, dp, TK, 1, w->kr, Dp, w->dqr, Dp, 0); /* dQ / scale = dS K */
+    float *dqh = a->dq + at(a->dqs, a->nseg, b, h, m);
+    for (int64_t r = 0; r < tq; r++) {
+        float *row = dqh + r * a->dqs[2];
+        const float *share = w->dqr + r * Dp;
+        if (add)
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) row[d] += a->scale * share[d];
+        else
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) row[d] = a->scale * share[d];
     }
 }
 
-/* Zeroes rows [lo, hi) of n channels from x on, ld apart. */
-static void zero_rows(float *x, int64_t lo, int64_t hi, int64_t n, int64_t ld) {
-    for (int64_t r = lo; r < hi; r++) memset(x + r * ld, 0, sizeof(float) * n);
+/* dK and dV of keys [n + lo, n + hi) of kv head hk: the sums of nt threads' scratches (written,
+ * or added to). */
+static void store_keys(const struct grads *a, const struct scratch *all, int nt, int64_t b, int64_t hk,
+                       int64_t n, int64_t lo, int64_t hi) {
+    const int64_t Dp = pad(a->D), Dvp = pad(a->Dv);
+    float *dkh = a->dk + at(a->dks, a->nseg, b, hk, n), *dvh = a->dv + at(a->dvs, a->nseg, b, hk, n);
+    for (int64_t c = lo; c < hi; c++) {
+        float *dkr = dkh + c * a->dks[2], *dvr = dvh + c * a->dvs[2];
+        if (!a->accumulate) {
+            memset(dkr, 0, sizeof(float) * a->D);
+            memset(dvr, 0, sizeof(float) * a->Dv);
+        }
+        for (int u = 0; u < nt; u++) {
+            for (int64_t d = 0; d < a->D; d++) dkr[d] += all[u].dkt[c * Dp + d];
+            for (int64_t d = 0; d < a->Dv; d++) dvr[d] += all[u].dvt[c * Dvp + d];
+        }
+    }
 }
 
-/* A (batch, kv head) on one thread: every query head of its group, every tile, its own dK, dV. */
-static void own_task(const struct grads *a, struct scratch *w, int64_t task) {
+/* Thread t's slice [lo, hi) of [0, n) cut in nt. */
+static void slice(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt, *hi = n * (t + 1) / nt;
+}
+
+/* A (batch, kv head) on nt threads, thread t (nt = 1: a task of one thread's own), key tile by
+ * key tile: each thread takes a slice of the query tiles that see the key tile (causal: from the
+ * one holding its first key), adds their dK, dV shares to its sums and writes their dQ (at key
+ * tile 0, which every query sees) or adds to it; the key tile's dK, dV are then the sum of the
+ * threads' sums. Every thread of nt calls it. */
+static void head_task(const struct grads *a, struct scratch *w, struct scratch *all, int t, int nt,
+                      int64_t task) {
     const int64_t b = task / a->Hkv, hk = task % a->Hkv, group = a->Hq / a->Hkv;
-    float *dkh = a->dk + at(a->dks, a->nseg, b, hk, 0), *dvh = a->dv + at(a->dvs, a->nseg, b, hk, 0);
-    if (!a->accumulate) {
-        zero_rows(dkh, 0, a->S, a->D, a->dks[2]);
-        zero_rows(dvh, 0, a->S, a->Dv, a->dvs[2]);
-    }
-    for (int64_t h = hk * group; h < (hk + 1) * group; h++)
-        for (int64_t m = 0; m < a->L; m += a->TQ) {
-            const int64_t tq = a->L - m < a->TQ ? a->L - m : a->TQ;
-            tile_stats(a, w, b, h, m, tq);
-            tile_backward(a, w, b, h, m, tq, 0, key_bound(a, m, tq), dkh, dvh,
-                          a->dq + at(a->dqs, a->nseg, b, h, m), a->dqs[2], a->accumulate);
+    const int64_t tiles = (a->L + TQ - 1) / TQ;
+    head_stats(a, w, b, hk);
+    for (int64_t n = 0; n < a->S; n += TK) {
+        const int64_t kb = a->S - n < TK ? a->S - n : TK, first = a->causal ? n / TQ : 0;
+        int64_t lo = 0, hi = 0;
+        key_tile(a, w, b, hk, n, kb);
+        if (first < tiles) slice(tiles - first, t, nt, &lo, &hi);
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t i = first + lo; i < first + hi; i++)
+                pair(a, w, b, hk * group + g, g, i * TQ, n, kb, a->accumulate || n > 0);
+        if (nt == 1) {
+            store_keys(a, w, 1, b, hk, n, 0, kb);
+            continue;
         }
-}
-
-/* Thread t's slice [lo, hi) of [0, n) cut in nt, on multiples of `align`. */
-static void slice(int64_t n, int t, int nt, int64_t align, int64_t *lo, int64_t *hi) {
-    const int64_t units = (n + align - 1) / align;
-    const int64_t a = units * t / nt * align, z = units * (t + 1) / nt * align;
-    *lo = a < n ? a : n, *hi = z < n ? z : n;
-}
-
-/* A (batch, kv head) shared by all nt threads, thread t one of them: each query tile's keys cut
- * in nt slices, each thread adding its slice's dK, dV (the slices of one tile are disjoint) and
- * writing its dQ share, which the threads then sum into the tile's rows. Every thread calls it. */
-static void shared_task(const struct grads *a, struct scratch *w, struct scratch *all, int t, int nt,
-                        int64_t task, int *wrote) {
-    const int64_t b = task / a->Hkv, hk = task % a->Hkv, group = a->Hq / a->Hkv, D = a->D;
-    float *dkh = a->dk + at(a->dks, a->nseg, b, hk, 0), *dvh = a->dv + at(a->dvs, a->nseg, b, hk, 0);
-    int64_t lo, hi;
-    if (!a->accumulate) {
-        slice(a->S, t, nt, 1, &lo, &hi);
-        zero_rows(dkh, lo, hi, D, a->dks[2]);
-        zero_rows(dvh, lo, hi, a->Dv, a->dvs[2]);
+#pragma omp barrier
+        slice(kb, t, nt, &lo, &hi);
+        store_keys(a, all, nt, b, hk, n, lo, hi);
+#pragma omp barrier
     }
-#pragma omp barrier
-    for (int64_t h = hk * group; h < (hk + 1) * group; h++)
-        for (int64_t m = 0; m < a->L; m += a->TQ) {
-            const int64_t tq = a->L - m < a->TQ ? a->L - m : a->TQ;
-            slice(key_bound(a, m, tq), t, nt, 16, &lo, &hi);
-            wrote[t] = lo < hi;
-            if (lo < hi) {
-                tile_stats(a, w, b, h, m, tq);
-                tile_backward(a, w, b, h, m, tq, lo, hi, dkh, dvh, w->dq, D, 0);
-            }
-#pragma omp barrier
-            float *dqt = a->dq + at(a->dqs, a->nseg, b, h, m);
-            slice(tq, t, nt, 1, &lo, &hi);
-            for (int64_t r = lo; r < hi; r++) {
-                float *row = dqt + r * a->dqs[2];
-                if (!a->accumulate)
-                    for (int64_t c = 0; c < D; c++) row[c] = 0.0f;
-                for (int u = 0; u < nt; u++)
-                    if (wrote[u])
-                        for (int64_t c = 0; c < D; c++) row[c] += all[u].dq[r * D + c];
-            }
-#pragma omp barrier
-        }
 }
 
 void rr_flash_backward(const float *dout, const int64_t *dos, const float *q, const int64_t *qs,
@@ -297,25 +398,23 @@ void rr_flash_backward(const float *dout, const int64_t *dos, const float *q, co
                        const float *out, const int64_t *os, const float *lse, const int64_t *ls,
                        float *dq, const int64_t *dqs, float *dk, const int64_t *dks, float *dv,
                        const int64_t *dvs, int64_t B, int64_t Hq, int64_t Hkv, int64_t L, int64_t S,
-                       int64_t D, int64_t Dv, int64_t TQ, int64_t nseg, float scale, int causal,
-                       int accumulate, int threads) {
+                       int64_t D, int64_t Dv, int64_t nseg, float scale, int causal, int accumulate,
+                       int threads) {
     const struct grads a = {dout, q, k, v, out, lse, dos, qs, ks, vs, os, ls, dqs, dks, dvs,
-                            dq, dk, dv, B, Hq, Hkv, L, S, D, Dv, TQ, nseg, scale, causal, accumulate};
+                            dq, dk, dv, B, Hq, Hkv, L, S, D, Dv, nseg, scale, causal, accumulate};
     struct scratch *all = malloc(sizeof(struct scratch) * threads);
-    int *wrote = malloc(sizeof(int) * threads);
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         struct scratch *w = all + t;
-        scratch_alloc(w, TQ, D);
-        /* Whole tasks while every thread gets one; the rest shared, tile by tile. */
+        scratch_alloc(w, &a);
+        /* Whole tasks while every thread gets one; the rest shared, key tile by key tile. */
         const int64_t tasks = B * Hkv, whole = tasks / nt * nt;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < whole; task++) own_task(&a, w, task);
-        for (int64_t task = whole; task < tasks; task++) shared_task(&a, w, all, t, nt, task, wrote);
+        for (int64_t task = 0; task < whole; task++) head_task(&a, w, w, 0, 1, task);
+        for (int64_t task = whole; task < tasks; task++) head_task(&a, w, all, t, nt, task);
 #pragma omp barrier
         free(w->p);
     }
     free(all);
-    free(wrote);
 }
