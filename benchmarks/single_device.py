@@ -36,6 +36,12 @@ the rise of the CPU allocator's live total over its level before one forward + b
 glibc's default allocation settings, as a user's process does (no ``malloc_setup``: serving every
 buffer from fresh pages made some steps a quarter slower).
 
+``--keep-heap`` runs the process with glibc serving every buffer from its heap and keeping
+it (``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` 1 TiB: what jemalloc or tcmalloc, which
+CPU training runs often load, do by default): a step's new buffers (out, dq, dk, dv: 2 GiB at
+256k) then reuse pages the step before freed instead of fresh ones, whose first touch costs this
+VM about 10 us a page at 256k (5 s of a 26 s step). The code's cost and the machine's show apart.
+
 Whether the time per token is flat in N is judged on each N's fastest step (``best s / 16k
 tokens``, beside the medians' column): the code's cost with the least of this machine's
 interference. Its slow spells last a minute or two and come and go within a run (``torch.mm`` from
@@ -49,12 +55,14 @@ after it at 1.68).
     python benchmarks/single_device.py                 # N = 4k .. 256k, about 25 minutes on 2 cores
     python benchmarks/single_device.py --quick         # N = 4k, 8k: a smoke run
     python benchmarks/single_device.py --seq 16384 32768 --no-causal
+    python benchmarks/single_device.py --seq 16384 32768 65536 131072 262144 --keep-heap
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -74,6 +82,7 @@ TARGET_EAGER, TARGET_EXACT = 3.0, 1.2  # SPEC: >= 3x faster than eager at 32k; e
 # on, peak at most 6 q-sized tensors.
 TARGET_MM, TARGET_FLAT, TARGET_Q_SIZED, FROM_N = 80.0, 1.10, 6.0, 16384
 FWD_BWD = 3.5  # forward + backward FLOPs in units of forward FLOPs (backward = 2.5x forward)
+KEEP_HEAP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}  # glibc reads them at start
 
 
 # ---- the straightforward eager implementation ------------------------------------------------
@@ -233,8 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-max", type=int, default=32768, help="largest N for dense SDPA and ours exact")
     parser.add_argument("--eager-max", type=int, default=32768, help="largest N for the eager version (its memory is O(N w))")
     parser.add_argument("--quick", action="store_true", help="N = 4096, 8192, 2 repeats")
+    parser.add_argument("--keep-heap", action="store_true", help="glibc keeps freed memory for the next step (no fresh pages)")
     parser.add_argument("--out", type=_common.Path, default=_common.RESULTS / "single_device.json")
     opts = parser.parse_args(argv)
+    keep_heap = all(os.environ.get(key) == value for key, value in KEEP_HEAP.items())
+    if opts.keep_heap and not keep_heap:  # start again with glibc told so
+        args = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *args], {**os.environ, **KEEP_HEAP})
     if opts.quick:
         opts.seq, opts.repeats = [4096, 8192], 2
     torch.set_num_threads(opts.threads)
@@ -245,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = _common.matmul_gflops()
     print(
         f"q, k, v ({BATCH}, {HEADS}, N, {HEAD_DIM}) float32, {'causal' if causal else 'not causal'}, "
-        f"forward + backward, {opts.threads} threads, median of {opts.repeats} after a warm-up\n"
+        f"forward + backward, {opts.threads} threads, median of {opts.repeats} after a warm-up"
+        f"{'; glibc keeps its heap' if keep_heap else ''}\n"
         f"dilated config: segments {SEGMENTS}, rates {RATES}; torch.mm here: {peak:.0f} GFLOP/s (again before each step)\n",
         flush=True,
     )
@@ -322,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "setup": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
                   "causal": causal, "segment_lengths": SEGMENTS, "dilation_rates": RATES,
-                  "repeats": opts.repeats, "mm_gflops_first": peak, "mm_gflops": mm,
+                  "repeats": opts.repeats, "mm_gflops_first": peak, "mm_gflops": mm, "keep_heap": keep_heap,
                   "check": {"N": n_check, "why": "the smallest N timed (each N compiles its own graph)",
                             "reference": "ring_rewrite.reference.reference_attention, float64",
                             "tolerance": _common.TOLERANCE, "rel_err": errors},

@@ -2,34 +2,34 @@
 
 Note [The CPU block kernel]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every block of a dilated site is a causal square of ``w / r`` rows (2048 in the LongNet
-configs of ``benchmarks/``). aten's CPU flash kernel tiles queries by 256 rows and keys by 512
-and, causal, runs each query tile's last key tile to its end: on a 2048-row block it computes a
-quarter more pairs than the useful ones, and its share of ``torch.mm``'s rate falls from about
-93 % on a full square to 65 to 75 % on the causal one (forward + backward, this machine; blocks
-under 768 rows fare worse: its 64-row tiles still run 512 keys, and a causal 512 square runs at
-30 %). ``flash_cpu.c`` is the same algorithm (FlashAttention-2) with short query tiles (64 rows
-with AVX-512) that stop at their last row's diagonal. Its first version called MKL's ``sgemm``
-(torch's own) for each product of a query tile and a key tile, and ran at 90 to 110 % of
-``torch.mm``'s rate measured beside it on causal blocks of 2048 to 16384 rows where aten's ran
-at 67 to 82 %; but BLAS packs both operands of every call, and a tile's products are small (a
-64-row query tile against 256 keys of 64 dims): ``perf`` put 13 % of the kernel's time in MKL's
-packing copies, forward and backward, and the full step stalled at 122 to 144 GFLOP/s while
-``torch.mm`` read up to 190 (benchmarks/README.md, section 1). Now every product is a register
-tile of its own (``tile`` in ``flash_cpu.c``: 6 rows by 4 vectors of 16 lanes with AVX-512), one
-operand broadcast from where it lies, the other loaded by rows, so nothing is packed per call:
-forward, S^T (keys by queries) from k's rows against the query tile transposed once, each
-query's max and sum across vector lanes, out^T from v's rows; backward, key tile by key tile (K
-and V transposed once a key tile), S and dP against every query tile that sees it, dV and dK
-summed in the key tile's own scratch. Forward 134 -> 160, backward 142 -> 156 GFLOP/s on 2048-row
-causal blocks alone, the full single-device step 101 to 105 % of ``torch.mm`` (section 1). No
-BLAS is called, so the build needs nothing of torch's; the vector width and tile follow the
+Every block of a dilated site is a causal square of ``w / r`` rows (2048 in the LongNet configs of
+``benchmarks/``). aten's CPU flash kernel tiles queries by 256 rows and keys by 512 and, causal,
+runs each query tile's last key tile to its end: on a 2048-row block it computes a quarter more
+pairs than the useful ones, and its share of ``torch.mm``'s rate falls from about 93 % on a full
+square to 65 to 75 % on the causal one (forward + backward, this machine; blocks under 768 rows
+fare worse: its 64-row tiles still run 512 keys, and a causal 512 square runs at 30 %).
+``flash_cpu.c`` is the same algorithm (FlashAttention-2) with short query tiles (64 rows with
+AVX-512) that stop at their last row's diagonal. Its first version called MKL's ``sgemm`` (torch's
+own) for each product of a query tile and a key tile, and ran at 90 to 110 % of ``torch.mm``'s rate
+measured beside it on causal blocks of 2048 to 16384 rows where aten's ran at 67 to 82 %; but BLAS
+packs both operands of every call, and a tile's products are small (a 64-row query tile against 256
+keys of 64 dims): ``perf`` put 13 % of the kernel's time in MKL's packing copies, forward and
+backward, and the full step stalled at 122 to 144 GFLOP/s while ``torch.mm`` read up to 190
+(benchmarks/README.md, section 1). Now every product is a register tile of its own (``tile`` in
+``flash_cpu.c``: 6 rows by 4 vectors of 16 lanes with AVX-512), one operand broadcast from where it
+lies, the other loaded by rows, so nothing is packed per call: forward, S^T (keys by queries) from
+k's rows against the query tile transposed once, each query's max and sum across vector lanes,
+out^T from v's rows; backward, key tile by key tile (K and V transposed once a key tile), S and dP
+against every query tile that sees it, dV and dK summed in the key tile's own scratch. On the
+LongNet config's 2048-row causal blocks alone, forward and backward 1.25x as fast as with MKL (one
+head of 16384 rows: 1.35x), the full single-device step at 88 to 112 % of ``torch.mm`` (section 1).
+No BLAS is called, so the build needs nothing of torch's; the vector width and tile follow the
 target (AVX-512, AVX2, NEON, SSE; the tests pass built for each x86 one here, AVX-512 timed).
 Threads are torch's OpenMP runtime at ``torch.get_num_threads()``: forward, a task per (batch,
-head, query tile); backward, per (batch, kv head), which owns its dK and dV. Backward tasks too
-few to give every thread one (the local branches' head chunks run one head of a few segments: at
-16k tokens a chunk of the 16384-token branch is one task) are shared by all threads, each taking
-a slice of the query tiles that see a key tile, the key tile's dK and dV then summed across them.
+head, query tile); backward, per (batch, kv head), which owns its dK and dV. Backward tasks too few
+to give every thread one (the local branches' head chunks run one head of a few segments: at 16k
+tokens a chunk of the 16384-token branch is one task) are shared by all threads, each taking a
+slice of the query tiles that see a key tile, the key tile's dK and dV then summed across them.
 It writes ``out``, ``dq``, ``dk`` and ``dv`` contiguous (aten's come in its own layout and were
 copied), reads GQA's kv heads in place and takes ``d != dv`` as they are. Both ways it also reads
 and writes every operand at a layout of the caller's: a local branch's lattice rows inside the
