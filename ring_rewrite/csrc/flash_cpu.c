@@ -304,12 +304,13 @@ static void pair(const struct grads *a, struct scratch *w, int64_t b, int64_t h,
     const float *qh = a->q + at(a->qs, a->nseg, b, h, m), *doh = a->dout + at(a->dos, a->nseg, b, h, m);
     const float *lrow = w->lrow + g * a->L + m, *dsum = w->dsum + g * a->L + m;
     float *p = w->p, *dp = w->dp, *qr = w->qr, *dor = w->dor;
-    for (int64_t r = 0; r < TQ; r++) {
-        memset(qr + r * Dp, 0, sizeof(float) * Dp);
-        memset(dor + r * Dvp, 0, sizeof(float) * Dvp);
-        if (r >= tq || isinf(lrow[r])) continue;
-        for (int64_t d = 0; d < D; d++) qr[r * Dp + d] = a->scale * qh[r * a->qs[2] + d];
-        memcpy(dor + r * Dvp, doh + r * a->dos[2], sizeof(float) * Dv);
+    for (int64_t r = 0; r < TQ; r++) { /* rows past the tile or dead: zero, as are the pads */
+        const int live = r < tq && !isinf(lrow[r]);
+        const int64_t nq = live ? D : 0, nd = live ? Dv : 0;
+        for (int64_t d = 0; d < nq; d++) qr[r * Dp + d] = a->scale * qh[r * a->qs[2] + d];
+        if (live) memcpy(dor + r * Dvp, doh + r * a->dos[2], sizeof(float) * Dv);
+        memset(qr + r * Dp + nq, 0, sizeof(float) * (Dp - nq));
+        memset(dor + r * Dvp + nd, 0, sizeof(float) * (Dvp - nd));
     }
     product(TQ, kbp, D, qr, Dp, 1, w->kt, TK, p, TK, 0);    /* S = (scale Q) K^T */
     product(TQ, kbp, Dv, dor, Dvp, 1, w->vt, TK, dp, TK, 0); /* dP = dO V^T */
