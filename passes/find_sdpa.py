@@ -77,7 +77,9 @@ __all__ = [
     "dense_mask",
     "dilated_decode_reason",
     "find_sdpa_sites",
+    "is_caller_input",
     "is_decode_step",
+    "local_positions",
     "unsupported_reason",
 ]
 
@@ -172,10 +174,9 @@ def unsupported_reason(site: SdpaSite) -> str | None:
         return f"{lengths} (key/value derive from the query's sequence)"
     if qs[0] != ks[0] or ks[0] != vs[0] or ks[1] != vs[1]:
         return f"batch/head shapes do not match: q {qs}, k {ks}, v {vs}"
-    if qs[1] != ks[1] and not site.enable_gqa:
-        return f"query has {qs[1]} heads and key {ks[1]} without enable_gqa"
-    if qs[1] % ks[1]:
-        return f"query heads {qs[1]} not a multiple of key/value heads {ks[1]}"
+    reason = _heads_reason(qs[1], ks[1], site.enable_gqa)
+    if reason is not None:
+        return reason
     if site.attn_mask is not None:
         if site.is_causal:
             return "attn_mask together with is_causal"
@@ -192,6 +193,29 @@ def unsupported_reason(site: SdpaSite) -> str | None:
         structure = dense_mask(site)
         if isinstance(structure, str):
             return structure
+    return None
+
+
+def _heads_reason(hq: int, hkv: int, enable_gqa: bool) -> str | None:
+    """Why ``hq`` query heads cannot attend to ``hkv`` key/value heads, or None.
+
+    With ``enable_gqa`` query head ``j`` reads key/value head ``j // (hq // hkv)``. Without it SDPA
+    broadcasts the head dim: a single key/value head serves every query head, which is
+    grouped-query attention with one group (multi-query attention, as Falcon calls SDPA) and is
+    rewritten as such. A single query head broadcast over several key/value heads gives an output
+    of ``hkv`` heads: no grouped-query attention. Any other mismatch SDPA itself rejects.
+    """
+    if hq == hkv or hkv == 1:
+        return None
+    if not enable_gqa:
+        if hq == 1:
+            return f"query has 1 head and key/value {hkv} without enable_gqa (SDPA broadcasts the query's head)"
+        return (
+            f"query has {hq} heads and key/value {hkv} without enable_gqa (SDPA broadcasts a single "
+            "key/value head only)"
+        )
+    if hq % hkv:
+        return f"query heads {hq} not a multiple of key/value heads {hkv}"
     return None
 
 
@@ -233,10 +257,9 @@ def decode_reason(site: SdpaSite) -> str | None:
         return f"batch/head shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not bool(k.shape[2] == v.shape[2]):
         return f"key length {k.shape[2]} != value length {v.shape[2]}"
-    if q.shape[1] != k.shape[1] and not site.enable_gqa:
-        return f"query has {q.shape[1]} heads and key {k.shape[1]} without enable_gqa"
-    if q.shape[1] % k.shape[1]:
-        return f"query heads {q.shape[1]} not a multiple of key/value heads {k.shape[1]}"
+    reason = _heads_reason(q.shape[1], k.shape[1], site.enable_gqa)
+    if reason is not None:
+        return reason
     if site.attn_mask is not None:
         mask = site.meta(site.attn_mask)
         if not isinstance(mask, torch.Tensor) or mask.requires_grad:
@@ -433,6 +456,11 @@ def _holds_tensor(node: fx.Node) -> bool:
     return any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(node.meta["example_value"]))
 
 
+def is_caller_input(node: fx.Node) -> bool:
+    """Whether ``node`` is a graph input that is a tensor of the caller's (no module state)."""
+    return node.op == "placeholder" and _is_sequence(node)
+
+
 def _is_sequence(placeholder: fx.Node) -> bool:
     """Whether a graph input is a tensor of the caller's, not a module's parameter or buffer."""
     value = placeholder.meta.get("example_value")
@@ -496,3 +524,56 @@ def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:
         if user.op == "call_function" and user.target is operator.getitem:
             users.setdefault(user.args[1], []).append(user)
     return users
+
+
+# Note [Positions in sharded mode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In sharded mode each rank's graph sees its own N / P tokens, but positions are global: a query
+# or key that depends on ``arange(n)`` over the shard's own length (transformers' default
+# ``cache_position`` and ``position_ids`` when the caller passes none; a position embedding
+# indexed by it) numbers every rank's tokens from 0. Attention over the ring is then still
+# exact, but the model embeds the wrong positions: a different function, with no error. So
+# ``local_positions`` walks back from q and k through every input, except at an attention call
+# (an SDPA node or a site already rewritten), where it follows only that call's q, k and v (its
+# mask is built from positions too, and says nothing about the values that leave it). The first
+# ``arange(0, n)`` of step 1 it meets is the reason the site cannot run sharded.
+
+
+def local_positions(site: SdpaSite, n: int) -> fx.Node | None:
+    """The ``torch.arange`` over the site's ``n`` tokens that its query or key derive from
+    (Note [Positions in sharded mode]), or None."""
+    seen: set[fx.Node] = set()
+    stack = [site.query, site.key]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _counts_tokens(node, n):
+            return node
+        stack.extend(_attention_operands(node) or node.all_input_nodes)
+    return None
+
+
+def _attention_operands(node: fx.Node) -> list[fx.Node] | None:
+    """q, k and v of an SDPA call or of a site already rewritten; None for any other node."""
+    if node.op == "call_function" and node.target in SDPA_TARGETS:
+        site = bind_sdpa(node)
+        return [site.query, site.key, site.value]
+    if node.target is autograd_function_apply and node.meta.get("ring_rewrite", {}).get("role") == "site":
+        return list(node.args[2:5])  # (fwd, bwd, q, k, v, ...): see rewrite_sdpa
+    return None
+
+
+def _counts_tokens(node: fx.Node, n: int) -> bool:
+    """Whether ``node`` is ``torch.arange(0, n)`` (step 1)."""
+    if node.op != "call_function" or node.target is not torch.arange:
+        return False
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or _hint(value.shape[0]) != n:
+        return False
+    bounds = [a for a in node.args if not isinstance(a, torch.dtype)]
+    start = bounds[0] if len(bounds) >= 2 else node.kwargs.get("start", 0)
+    step = bounds[2] if len(bounds) >= 3 else node.kwargs.get("step", 1)
+    values = [x.meta.get("example_value") if isinstance(x, fx.Node) else x for x in (start, step)]
+    return all(isinstance(v, (int, torch.SymInt)) for v in values) and [_hint(v) for v in values] == [0, 1]

@@ -43,7 +43,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-__all__ = ["DecodePositions", "MaskStructure", "decode_positions", "key_mask", "key_values", "mask_structure"]
+__all__ = [
+    "DecodePositions", "MaskStructure", "decode_positions", "key_mask", "key_values", "mask_structure", "runs",
+    "sharded_documents_reason",
+]
 
 
 # ---- expressions ------------------------------------------------------------------------------
@@ -142,6 +145,8 @@ _POINTWISE = {
 _NAMES = {target: name for name, targets in _POINTWISE.items() for target in targets}
 _NOT = (operator.invert, torch.logical_not, torch.bitwise_not, "logical_not", "bitwise_not", "__invert__")
 _NEG = (operator.neg, torch.neg, "neg", "__neg__")
+# NOTE: dynamo records Python's built-in ``abs(x)`` as ``operator.abs``, another object than ``abs``.
+_ABS = (operator.abs, abs, torch.abs, "abs", "__abs__")
 _SAME = ("contiguous", "clone", "detach")  # methods that keep the value
 _CASTS = {"bool": torch.bool, "float": torch.float32, "long": torch.int64, "int": torch.int32}
 
@@ -211,7 +216,7 @@ class _Reader:
             return Op(_NAMES[target], tuple(self.operand(a, shape) for a in args[:2]))
         if target in _NOT or target in _NEG:
             return Op("not" if target in _NOT else "neg", (self.operand(args[0], shape),))
-        if target in (torch.abs, "abs", "__abs__", abs):
+        if target in _ABS:
             return Op("abs", (self.operand(args[0], shape),))
         if target is torch.where and len(args) == 3:
             return Op("where", tuple(self.operand(a, shape) for a in args))
@@ -389,6 +394,11 @@ class MaskStructure:
     compares ``position_ids`` values in packed sequences), or None. Then the band holds for
     positions only if ``positions - t`` is constant within each document: checked at run time
     (``ops.documents``), an O(N log N) guard that raises."""
+    runs: Any = None
+    """Where ``documents`` are the runs of an expression over ``(b, t)`` that counts up by one
+    (a new document wherever it does not: transformers' ``cumsum(diff(position_ids) != 1)`` of a
+    packed sequence), that expression; else None. A scan along the sequence: sharded mode
+    computes it over the whole sequence's values (``runs``), not over a shard's."""
 
     @property
     def has_keys(self) -> bool:
@@ -454,7 +464,52 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
     return MaskStructure(
         lo, hi, tuple(parts.keys), tuple(parts.biases), full,
         documents=documents, relation=relation, positions=positions, blocks=parts.blocks,
+        runs=None if documents is None else _runs_of(documents, reader),
     )  # fmt: skip
+
+
+def _runs_of(documents, reader: _Reader):
+    """The expression over ``(b, t)`` whose runs ``documents`` are (``MaskStructure.runs``), or
+    None: ``documents`` must read, at ``(b, t)`` itself, a tensor built as
+    ``cumsum(diff(x, prepend=x[:, :1] - 1, dim=-1) != 1, -1)`` of a 2-D ``x``."""
+    if not isinstance(documents, Data) or len(documents.index) != 2:
+        return None
+    b, t = ({k: v for k, v in (_linear(i) or {None: None}).items() if v != 0} for i in documents.index)
+    if t != {_T: 1} or b not in ({_B: 1}, {}):
+        return None
+    x = _scanned(documents.node)
+    if x is None or len(_shape(x)) != 2:
+        return None
+    return _subst(reader.operand(x, _shape(x)), {0: Dim(_B) if _shape(x)[0] != 1 else Const(0), 1: Dim(_T)})
+
+
+def _scanned(node: fx.Node) -> fx.Node | None:
+    """``x`` where ``node`` is ``cumsum(diff(x, prepend=x[:, :1] - 1, dim=-1) != 1, -1)``."""
+
+    def call(n, *targets):
+        return isinstance(n, fx.Node) and n.op in ("call_function", "call_method") and n.target in targets
+
+    if not call(node, "cumsum", torch.cumsum) or _arg(node, 1, "dim") not in (-1, 1):
+        return None
+    ne = node.args[0]
+    if not call(ne, *_POINTWISE["ne"]) or ne.args[1] != 1:
+        return None
+    diff = ne.args[0]
+    if not call(diff, torch.diff, "diff") or diff.kwargs.get("dim", -1) not in (-1, 1) or len(diff.args) != 1:
+        return None
+    x, first = diff.args[0], diff.kwargs.get("prepend")
+    if not call(first, *_POINTWISE["sub"]) or first.args[1] != 1:
+        return None
+    head = first.args[0]
+    if not call(head, operator.getitem) or head.args[0] is not x:
+        return None
+    if head.args[1] != (slice(None), slice(None, 1)):
+        return None
+    return x
+
+
+def _arg(node: fx.Node, i: int, name: str):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
 @dataclasses.dataclass
@@ -829,6 +884,30 @@ def key_values(structure: MaskStructure, e, *data: torch.Tensor) -> torch.Tensor
     return values.expand(b if _B in _dims(e) else 1, 1, 1, n).reshape(-1, n)
 
 
+def runs(x: torch.Tensor) -> torch.Tensor:
+    """Document ids of ``x (B, N)``: a new id wherever ``x`` does not count up by one from the
+    position before (``MaskStructure.runs``; transformers' packed-sequence ids)."""
+    return (torch.diff(x, prepend=x[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+
+
+def sharded_documents_reason(structure: MaskStructure, is_input) -> str | None:
+    """Why the documents of ``structure`` cannot be told across ranks in sharded mode, or None.
+    Each rank computes its keys' values of the expressions and gathers them: that needs
+    expressions that read, at each key, only tensors the caller cut along the sequence
+    (``is_input(node)``) and never the key's position as a number, which is local there."""
+    exprs = [structure.documents if structure.runs is None else structure.runs, structure.positions]
+    for e in (e for e in exprs if e is not None):
+        if _T in _free_dims(e):
+            return "its document ids read key positions as numbers, which in sharded mode are each rank's local ones"
+        computed = [n for n in _data(e) if not is_input(n)]
+        if computed:
+            return (
+                f"its document ids are computed in the graph from this rank's shard ({computed[0]}); in "
+                "sharded mode pass them, or the packed position_ids they come from, as inputs"
+            )
+    return None
+
+
 def _key_index(structure: MaskStructure, data) -> tuple[dict, dict]:
     b, h, _, n = structure.shape
     device = data[0].device if data else None
@@ -848,7 +927,7 @@ def _uses(structure: MaskStructure) -> set[int]:
 _EVAL = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "floordiv": operator.floordiv, "le": operator.le,
     "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq, "ne": operator.ne,
-    "and": operator.and_, "or": operator.or_,
+    "and": operator.and_, "or": operator.or_, "abs": operator.abs,
 }  # fmt: skip
 
 

@@ -59,16 +59,16 @@ from torch._functorch.autograd_function import autograd_function_apply
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.decode import decode_attention
-from ring_rewrite.p2p import check_agreement, checking_transfers, resolve_group, variant_hash
+from ring_rewrite.layout import assemble
+from ring_rewrite.p2p import Rotater, check_agreement, checking_transfers, resolve_group, variant_hash
 from ring_rewrite.roles import role
 
-from ._fx import RoleTracer, emit, erase_unused, stamp, trace_subgraph
+from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
 from .find_sdpa import (
     SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
-    is_decode_step,
-    static_strides, unsupported_reason,
+    is_caller_input, is_decode_step, local_positions, static_strides, unsupported_reason,
 )  # fmt: skip
-from .masks import MaskStructure, decode_positions, key_mask, key_values
+from .masks import MaskStructure, decode_positions, key_mask, key_values, runs, sharded_documents_reason
 from .records import TOUCHED, SiteRecord, leave_alone, records, sharded
 
 __all__ = ["NAME", "rewrite_sdpa"]
@@ -206,11 +206,19 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
     mode, on a padded sequence where the ranks cannot share the length as it is (Note [Padding
     the sequence] in ring_rewrite/attention.py), else whole on every rank (Note [Whole on every
     rank])."""
-    if structure is not None and structure.documents is not None and config.sharding == "sharded" and world > 1:
+    n = site.shapes["query"][2]
+    counted = local_positions(site, n) if config.sharding == "sharded" and world > 1 else None
+    if counted is not None:
         raise ValueError(
-            "its mask keeps documents apart (doc[p] == doc[t]); in sharded mode each rank would "
-            "compute document ids from its own shard only: use replicated mode"
+            f"its query or key derives from positions counted from 0 over this rank's {n} tokens "
+            f"(torch.arange at {location(counted)}), but in sharded mode positions are global: pass "
+            "the global position_ids, as ring_rewrite.shard_batch(batch, group=..., layout=...) adds them, or "
+            "position_ids=ring_rewrite.positions(N, world=P, rank=r, layout=...)"
         )
+    if structure is not None and structure.documents is not None and config.sharding == "sharded" and world > 1:
+        reason = sharded_documents_reason(structure, is_caller_input)
+        if reason is not None:
+            raise ValueError(f"its mask keeps documents apart (doc[p] == doc[t]), but {reason}")
     if structure is not None and structure.absolute_keys and config.sharding == "sharded" and world > 1:
         raise ValueError(
             f"its mask ({structure.describe()}) reads key positions as numbers, which in sharded "
@@ -222,7 +230,6 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
     except ValueError as error:
         if config.sharding == "sharded" or world == 1:
             raise
-        n = site.shapes["query"][2]
         step = world * (2 if config.layout == "zigzag" else 1)
         for padded in range(n + step - n % step, _MAX_PADDING * n + step, step):
             try:
@@ -290,12 +297,38 @@ def _documents(structure: MaskStructure, *data: torch.Tensor, where: str) -> tor
     """Each position's document id ``(B|1, 1, N, 1)``, checked against the positions the mask's
     band compares, if it compares tensor values (``ops.documents``)."""
     docs = key_values(structure, structure.documents, *data)
+    positions = None if structure.positions is None else key_values(structure, structure.positions, *data)
+    return _checked_documents(structure, docs, positions, where)
+
+
+_DOCUMENTS_GATHER = 4  # a site call's gather index for documents (its body's: 0 out, 1 to 3 dq, dk, dv)
+
+
+def _sharded_documents(
+    structure: MaskStructure, plan: SitePlan, token: torch.Tensor, *data: torch.Tensor, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sharded mode: every position's document id over the whole sequence ``(B|1, 1, N, 1)`` and
+    the site's next token. Each rank evaluates the documents' expression (or the one whose runs
+    they are) and the compared positions over its own keys, the ranks gather them (O(N) integers
+    per rank, as a varlen ring's global sequence lengths), and the ids follow from the whole."""
+    exprs = [structure.documents if structure.runs is None else structure.runs, structure.positions]
+    b, _, _, n = structure.shape
+    values = [key_values(structure, e, *data).long().expand(b, n) for e in exprs if e is not None]
+    local = torch.stack(values)  # (documents[, positions], B, n)
+    rotater = Rotater(plan.group_name, token)
+    gathered = rotater.all_gather(local, plan.world, _DOCUMENTS_GATHER)
+    whole = assemble(gathered, 2, n, world=plan.world, layout=plan.layout)
+    docs = whole[0] if structure.runs is None else runs(whole[0])
+    positions = None if structure.positions is None else whole[1]
+    return _checked_documents(structure, docs, positions, where), rotater.token
+
+
+def _checked_documents(structure: MaskStructure, docs, positions, where: str) -> torch.Tensor:
     if structure.blocks:
         docs = torch.ops.ring_rewrite.block_ends(docs, where)
     shift = None
-    if structure.positions is not None:
-        n = docs.shape[-1]
-        shift = key_values(structure, structure.positions, *data) - torch.arange(n, device=docs.device)
+    if positions is not None:
+        shift = positions - torch.arange(docs.shape[-1], device=docs.device)
     return torch.ops.ring_rewrite.documents(docs, shift, where).unsqueeze(1).unsqueeze(-1)
 
 
@@ -327,12 +360,25 @@ def _rewrite_site(
                 bias = emit(tracer, functools.partial(key_mask, structure, plan.dtype), *structure.data)
             args.append(bias)
             names.append("mask")
+        token = None
+        if plan.world > 1:
+            timeout_ms = round(config.timeout * 1000)
+            token = graph.call_function(
+                _SITE_TOKEN, (index, plan.group_name, 0, timeout_ms)  # the variant comes last
+            )
+            stamp(token, index, stack, role="p2p")
         if structure is not None and structure.documents is not None:
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):
-                docs = emit(
-                    tracer, functools.partial(_documents, structure, where=site.location), *structure.data
-                )
+                if plan.world > 1 and plan.sharding == "sharded":
+                    docs, token = emit(
+                        tracer, functools.partial(_sharded_documents, structure, plan, where=site.location),
+                        token, *structure.data,
+                    )  # fmt: skip
+                else:
+                    docs = emit(
+                        tracer, functools.partial(_documents, structure, where=site.location), *structure.data
+                    )
         if structure is None and site.attn_mask is not None:
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):
@@ -351,12 +397,7 @@ def _rewrite_site(
         if plan.documents:
             args.append(docs)
             names.append("docs")
-        if plan.world > 1:
-            timeout_ms = round(config.timeout * 1000)
-            token = graph.call_function(
-                _SITE_TOKEN, (index, plan.group_name, 0, timeout_ms)  # the variant comes last
-            )
-            stamp(token, index, stack, role="p2p")
+        if token is not None:
             args.append(token)
             names.append("token")
         if plan.dropout:

@@ -3,7 +3,7 @@
 from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
 from .backend import backend, register, ring_dilated, ring_dilated_backend
 from .config import RingDilatedConfig
-from .layout import positions, shard, unshard
+from .layout import positions, shard, shard_batch, unshard
 from .p2p import RingOutOfStep, TransferTimeout
 from .recompiles import RecompileLimitError
 from .reference import reference_attention
@@ -25,6 +25,7 @@ __all__ = [
     "ring_dilated",
     "ring_dilated_backend",
     "shard",
+    "shard_batch",
     "unshard",
 ]
 

@@ -3,16 +3,21 @@
 ``layout="contiguous"``: rank k holds tokens ``[kN/P, (k+1)N/P)``. ``layout="zigzag"``: the sequence
 is cut into 2P chunks and rank k holds chunks k and 2P-1-k (balances causal work).
 ``shard`` / ``unshard`` are inverses; ``take_shard`` / ``assemble`` are their static, traceable
-cores (ranks and sizes as ints) used inside rewritten graphs.
+cores (ranks and sizes as ints) used inside rewritten graphs. ``shard_batch`` cuts a whole batch
+as a data loader hands it to a Hugging Face model (Note [A batch across ranks]).
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from .p2p import resolve_group
 
-__all__ = ["shard", "unshard", "take_shard", "assemble", "positions"]
+__all__ = ["shard", "shard_batch", "unshard", "take_shard", "assemble", "positions"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -68,3 +73,142 @@ def unshard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous"
 
     stacked = all_gather_single_autograd(x.contiguous().unsqueeze(0), 0, group)
     return assemble(stacked, dim, x.shape[dim], world=world, layout=layout)
+
+
+# Note [A batch across ranks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# In sharded mode a model sees N / P tokens of each sample, and three things a Hugging Face model
+# derives from the whole sequence must come in from outside, or each rank would derive them from
+# its shard alone:
+#
+# * positions: without ``position_ids`` a model numbers its tokens from 0 on every rank (RoPE, a
+#   position embedding), silently wrong, so ``shard_batch`` always passes the global ones;
+# * next-token labels: a causal LM shifts ``labels`` by one inside its shard, so the label of a
+#   shard's last token (the next rank's first) would be lost; ``shard_batch`` shifts them over the
+#   whole sequence first and passes them as ``shift_labels``, which transformers' loss reads
+#   instead of shifting;
+# * the loss's denominator: each rank's loss is a sum over its tokens divided by
+#   ``num_items_in_batch``, the labelled tokens of the whole batch, so the ranks' losses (and
+#   gradients) add up to the mean over the whole sequence.
+#
+# The length must be cut into P equal shards (2P chunks for zigzag). ``shard_batch`` pads the end
+# of the sequence up to a bucket: the next power of two (then a multiple of the shards and of
+# ``multiple_of``), so that batches padded to their longest row compile one graph per bucket, not
+# one per length. Padded tokens carry label ``ignore_index`` and are masked as keys: with an
+# ``attention_mask`` it gets zeros there; without one and without ``position_ids`` one is made
+# (ones, then zeros); with ``position_ids`` and no mask (packed sequences, whose documents
+# transformers reads from the positions) the padding's positions restart at 0, a document of
+# its own. Either way no real token attends to a padded one.
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    *,
+    group=None,
+    layout: str = "contiguous",
+    shift_labels: bool = True,
+    buckets: bool = True,
+    multiple_of: int = 1,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
+) -> dict[str, Any]:
+    """This rank's part of ``batch``, the keyword arguments of a Hugging Face model in sharded
+    mode (Note [A batch across ranks]).
+
+    Args:
+        batch: what a data loader gives the model: ``input_ids`` (or ``inputs_embeds``),
+            optionally ``attention_mask``, ``labels``, ``position_ids``, ``token_type_ids``, and
+            any other tensor whose first two dims are ``(B, N)``. Every rank of ``group`` passes
+            the same whole batch. Other values pass through unchanged.
+        group: the ranks that share the sequence, as the backend's ``group`` (a ``ProcessGroup``,
+            a 1-D ``DeviceMesh`` such as ``mesh["cp"]``, or None for WORLD).
+        layout: ``"contiguous"`` or ``"zigzag"``, as the backend's ``layout``.
+        shift_labels: ``labels`` are next-token targets (a causal LM): shift them over the whole
+            sequence and pass them as ``shift_labels`` too. False for labels of their own token
+            (masked LM, token classification).
+        buckets: pad the length up to the next power of two (one compiled graph per bucket);
+            False pads only to a multiple of the shards.
+        multiple_of: the padded length is also a multiple of this (a dilated config needs each
+            shard to be a multiple of every ring branch's rate).
+        pad_token_id: the id of padded ``input_ids``.
+        ignore_index: the label of tokens the loss skips.
+
+    Returns:
+        A new dict: every ``(B, N, ...)`` tensor padded and cut to this rank's tokens along dim 1,
+        ``position_ids`` (global, ``(B, N / P)``), and with ``labels``: ``shift_labels`` (if
+        ``shift_labels``) and ``num_items_in_batch``, the labelled tokens of the whole batch (a
+        tensor, so that it does not specialise the compiled graph).
+
+    Example::
+
+        batch = shard_batch(next(loader), group=mesh["cp"], layout="zigzag")
+        loss = model(**batch, use_cache=False).loss   # this rank's share of the batch's mean
+        loss.backward()                               # then sum gradients over the ring's ranks
+    """
+    _, world, rank = resolve_group(group)
+    ids = batch.get("input_ids")
+    if ids is None:
+        ids = batch.get("inputs_embeds")
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        raise ValueError("shard_batch: the batch needs input_ids (B, N) or inputs_embeds (B, N, D)")
+    b, n = ids.shape[:2]
+    pieces = world * (2 if layout == "zigzag" else 1)
+    if layout not in LAYOUTS:
+        raise ValueError(f"shard_batch: layout must be one of {LAYOUTS}, got {layout!r}")
+    if multiple_of < 1:
+        raise ValueError(f"shard_batch: multiple_of must be at least 1, got {multiple_of}")
+    length = 1 << max(n - 1, 0).bit_length() if buckets else n
+    step = math.lcm(pieces, multiple_of)
+    length = -(-length // step) * step
+    pad = length - n
+
+    out: dict[str, Any] = {}
+    mask = batch.get("attention_mask")
+    positions_given = batch.get("position_ids") is not None
+    for key, value in batch.items():
+        if not _along(value, b, n):
+            out[key] = value
+            continue
+        fill = {"input_ids": pad_token_id, "labels": ignore_index}.get(key, 0)
+        if key == "position_ids":
+            value = _pad_positions(value, pad)
+        else:
+            value = _pad(value, pad, fill)
+        out[key] = value
+    if pad and mask is None and not positions_given:
+        keep = torch.ones(b, length, dtype=torch.long, device=ids.device)
+        keep[:, n:] = 0
+        out["attention_mask"] = keep
+    if not positions_given:
+        out["position_ids"] = torch.arange(length, device=ids.device).expand(b, length)
+    labels = out.get("labels")
+    if isinstance(labels, torch.Tensor):
+        if shift_labels:
+            after = labels[:, 1:]
+            out["shift_labels"] = torch.cat([after, after.new_full((b, 1), ignore_index)], 1)
+        read = out["shift_labels"] if shift_labels else labels
+        out["num_items_in_batch"] = (read != ignore_index).sum()
+    for key, value in out.items():
+        if _along(value, b, length):
+            # NOTE: contiguous: transformers' losses view labels and logits flat.
+            out[key] = take_shard(value, 1, length, world=world, rank=rank, layout=layout).contiguous()
+    return out
+
+
+def _along(x, b: int, n: int) -> bool:
+    """Whether ``x`` is a tensor of ``n`` tokens along dim 1 for a batch of ``b`` (or 1)."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == n and x.shape[0] in (1, b)
+
+
+def _pad(x: torch.Tensor, pad: int, fill) -> torch.Tensor:
+    if not pad:
+        return x
+    return torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], 1)
+
+
+def _pad_positions(positions: torch.Tensor, pad: int) -> torch.Tensor:
+    """``position_ids`` padded with ``0, 1, ...``: the padding is a packed document of its own."""
+    if not pad:
+        return positions
+    tail = torch.arange(pad, dtype=positions.dtype, device=positions.device)
+    return torch.cat([positions, tail.expand(positions.shape[0], pad)], 1)

@@ -38,15 +38,17 @@ def test_decode_rows_are_the_last_rows_of_the_function(segs, rates, m, masked):
 
 class CachedAttention(nn.Module):
     """One attention layer with a KV cache, as a decoder's step calls it: q from the new tokens,
-    k and v the cache with the new tokens' keys appended."""
+    k and v the cache with the new tokens' keys appended. With one key/value head it is
+    multi-query attention, called without ``enable_gqa`` (SDPA broadcasts that head)."""
 
-    def __init__(self, dim=16, heads=4):
+    def __init__(self, dim=16, heads=4, kv_heads=4):
         super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.head_dim, self.kv_heads = dim // heads, kv_heads
+        self.q = nn.Linear(dim, dim)
+        self.k, self.v = (nn.Linear(dim, kv_heads * self.head_dim) for _ in range(2))
 
     def split(self, x):
-        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     def forward(self, x, cache_k, cache_v, mask=None):
         k = torch.cat([cache_k, self.split(self.k(x))], 2)
@@ -57,7 +59,7 @@ class CachedAttention(nn.Module):
 
 def _step(model, n, m=1):
     x = torch.randn(2, m, 16)
-    cache_k, cache_v = torch.randn(2, 4, n - m, 4), torch.randn(2, 4, n - m, 4)
+    cache_k, cache_v = (torch.randn(2, model.kv_heads, n - m, model.head_dim) for _ in range(2))
     return x, cache_k, cache_v
 
 
@@ -88,14 +90,15 @@ def test_one_graph_for_every_cache_length(compiler):
     assert len(backend.records) == 2 and all(r.rewritten and r.decode for r in backend.records)
 
 
-def test_decode_with_a_key_mask():
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "multi-query"])
+def test_decode_with_a_key_mask(kv_heads):
     segs, rates = [8, 16], [1, 2]
-    model = CachedAttention()
+    model = CachedAttention(kv_heads=kv_heads)
     x, ck, cv = _step(model, 21)
     keep = torch.ones(2, 1, 1, 21, dtype=torch.bool)
     keep[1, ..., :4] = False
     cap = capture(model, x, ck, cv, keep, segment_lengths=segs, dilation_rates=rates)
-    assert cap.records[0].decode
+    assert cap.records[0].decode and cap.records[0].rewritten, cap.records
     out, _, _ = torch.compile(model, backend=ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates))(
         x, ck, cv, keep
     )

@@ -14,7 +14,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite import RingDilatedConfig, testing
 from ring_rewrite.passes import UnsupportedSiteError, rewrite_sdpa
-from ring_rewrite.passes.find_sdpa import SDPA_TARGETS
+from ring_rewrite.passes.find_sdpa import SDPA_TARGETS, bind_sdpa, decode_reason, unsupported_reason
 from ring_rewrite.testing import assert_expected_graph, assert_left_alone, assert_rewritten, site_body
 
 from conftest import Capture
@@ -193,10 +193,19 @@ def _mask_requires_grad(q, k, v, bias):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
+def _one_query_head(q, k, v):
+    # SDPA broadcasts the query's one head over the key/value heads: an output of their heads.
+    return F.scaled_dot_product_attention(q[:, :1], k, v)
+
+
 UNSUPPORTED = [
     pytest.param(_dense_mask, "dense attn_mask of shape (32, 32) that depends on", id="dense-mask"),
     pytest.param(_cross_attention, "query length 16 != key/value length 32", id="cross-attention"),
     pytest.param(_three_d, "3-D", id="three-d"),
+    pytest.param(
+        _one_query_head, "query has 1 head and key/value 2 without enable_gqa (SDPA broadcasts the query's head)",
+        id="one-query-head",
+    ),
 ]
 
 
@@ -284,6 +293,56 @@ def test_only_supported_sites_rewritten():
     assert_rewritten(cap, 1)
     assert_left_alone(cap, site=0, reason="dense attn_mask")
     assert dict(counters["ring_rewrite"]) == {"skipped": 1, "rewritten": 1}
+
+
+@pytest.mark.parametrize("segments, rates", [(None, None), ([8, 16], [1, 2])], ids=["exact", "dilated"])
+def test_one_key_value_head_without_enable_gqa_is_rewritten(segments, rates):
+    """Multi-query attention as Falcon calls it: one key/value head and no ``enable_gqa``, which
+    SDPA broadcasts over the query's heads. That is grouped-query attention with one group, and
+    is rewritten as such."""
+
+    def multi_query(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    cap = capture(multi_query, *qkv(hq=4, hkv=1), segment_lengths=segments, dilation_rates=rates, strict=True)
+    (gm,) = cap.after
+    assert_rewritten(cap, 1)
+    assert sdpa_nodes(gm) == []
+    assert len(calls(gm, autograd_function_apply)) == 1
+    plan = cap.records[0].plan
+    assert (plan.hq, plan.hkv) == (4, 1)
+
+
+def _bound_site(hq: int, hkv: int, nq: int, enable_gqa: bool):
+    """An SDPA node of a hand-built graph (shapes dynamo would refuse to trace included)."""
+    graph = fx.Graph()
+    q, k, v = (graph.placeholder(name) for name in "qkv")
+    for node, heads, n in ((q, hq, nq), (k, hkv, 32), (v, hkv, 32)):
+        node.meta["example_value"] = torch.empty(1, heads, n, 8)
+    out = graph.call_function(F.scaled_dot_product_attention, (q, k, v), {"enable_gqa": enable_gqa})
+    graph.output(out)
+    return bind_sdpa(out)
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, enable_gqa, reason",
+    [
+        (4, 1, False, None),  # one key/value head, broadcast
+        (4, 1, True, None),
+        (4, 2, True, None),
+        (1, 2, False, "query has 1 head and key/value 2 without enable_gqa (SDPA broadcasts the query's head)"),
+        (4, 2, False, "query has 4 heads and key/value 2 without enable_gqa (SDPA broadcasts a single key/value head only)"),
+        (6, 4, True, "query heads 6 not a multiple of key/value heads 4"),
+    ],
+    ids=["one-kv-head", "one-kv-head-gqa", "gqa", "one-query-head", "no-gqa", "gqa-no-multiple"],
+)  # fmt: skip
+@pytest.mark.parametrize("nq", [32, 1], ids=["site", "decode-step"])
+def test_heads_guard(hq, hkv, enable_gqa, reason, nq):
+    """Which head counts a site (``unsupported_reason``) and a decode step (``decode_reason``)
+    accept: the same, with the same reason."""
+    site = _bound_site(hq, hkv, nq, enable_gqa)
+    guard = unsupported_reason if nq == 32 else decode_reason
+    assert guard(site) == reason
 
 
 def test_key_padding_mask_becomes_bias_input():

@@ -73,7 +73,34 @@ def two_sided(q, pad):
     return (d <= W) & (-d <= W) & pad.view(pad.shape[0], 1, 1, -1)
 
 
-CONSTRUCTIONS = {f.__name__: f for f in (hf_causal, hf_encoder, hf_window, tril_float, subsequent_window, two_sided)}
+def hf_bidirectional_window(q, pad):
+    """transformers' bidirectional sliding window (ModernBERT's local layers):
+    ``abs(q_idx - kv_idx) <= W`` with Python's ``abs``, which dynamo records as ``operator.abs``,
+    and padding."""
+    b, n = q.shape[0], q.shape[2]
+    batch = torch.arange(b)[:, None, None, None]
+    q_idx = torch.arange(n)[None, None, :, None]
+    kv_idx = torch.arange(n)[None, None, None, :]
+    mask = q_idx.new_ones((), dtype=torch.bool) & (abs(q_idx - kv_idx) <= W) & pad[batch, kv_idx]
+    return mask.expand(b, -1, n, n)
+
+
+def distance_bias(q, pad):
+    """A float two-sided band ``|t - p| <= W`` (``torch.abs``) and a key bias that reads ``abs``
+    too: keys far from the middle weigh less."""
+    n = q.shape[2]
+    i = torch.arange(n)
+    band = torch.where((i[None, :] - i[:, None]).abs() <= W, 0.0, float("-inf"))
+    return band + (i - n // 2).abs() * -0.1 + torch.where(pad, 0.0, float("-inf"))[:, None, None, :]
+
+
+CONSTRUCTIONS = {
+    f.__name__: f
+    for f in (
+        hf_causal, hf_encoder, hf_window, tril_float, subsequent_window, two_sided, hf_bidirectional_window,
+        distance_bias,
+    )
+}  # fmt: skip
 # (is_causal, band, key bias) each reads as.
 STRUCTURE = {
     "hf_causal": (True, None, True),
@@ -82,6 +109,8 @@ STRUCTURE = {
     "tril_float": (True, None, True),
     "subsequent_window": (True, (1 - W, None), True),
     "two_sided": (False, (-W, W), True),
+    "hf_bidirectional_window": (False, (-W, W), True),
+    "distance_bias": (False, (-W, W), True),
 }
 
 
@@ -209,7 +238,13 @@ def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated
 
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
-@pytest.mark.parametrize("kind", ["hf_causal", "hf_encoder", "hf_window", "subsequent_window", "two_sided"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "hf_causal", "hf_encoder", "hf_window", "subsequent_window", "two_sided", "hf_bidirectional_window",
+        "distance_bias",
+    ],
+)  # fmt: skip
 def test_one_rank_matches_reference(kind, segs, rates, compiler):
     _check(kind, segs, rates, compiler, n=40)
 
@@ -271,7 +306,9 @@ def _packed(b: int, n: int) -> torch.Tensor:
     return pos
 
 
-def _check_documents(build, data, segs, rates, compiler, *, world=1, rank=0, n=48):
+def _check_documents(
+    build, data, segs, rates, compiler, *, world=1, rank=0, n=48, sharding="replicated", layout="contiguous"
+):  # fmt: skip
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
 
@@ -282,15 +319,22 @@ def _check_documents(build, data, segs, rates, compiler, *, world=1, rank=0, n=4
     ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=mask)
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
     torch._dynamo.reset()
-    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
+    backend = ring_rewrite.backend(
+        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout
+    )
 
     def attend(q, k, v, data):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, data))
 
-    out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v, data)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    inputs = (q, k, v)
+    if sharding == "sharded" and world > 1:  # each rank its own queries, keys and their ids
+        cut = lambda x, dim=2: ring_rewrite.shard(x.detach(), dim, layout=layout)  # noqa: E731
+        inputs = tuple(cut(x).requires_grad_() for x in (q, k, v))
+        expected, dout, data = [cut(x) for x in expected], cut(dout), cut(data, 1)
+    out = torch.compile(attend, backend=backend, fullgraph=True)(*inputs, data)
+    grads = torch.autograd.grad(out, inputs, dout)
     errors = [rel_err(a, b) for a, b in zip((out, *grads), expected)]
-    assert max(errors) < BOUND, (rank, build.__name__, segs, errors)
+    assert max(errors) < BOUND, (rank, build.__name__, segs, sharding, layout, errors)
     (record,) = backend.records
     assert record.rewritten and record.plan.documents and record.plan.world == world
 
@@ -332,6 +376,23 @@ def test_documents_across_ranks_match_reference():
     run_ranks(2, _documents_on_ranks, "inductor")  # replicated mode: every rank holds every id
 
 
+def _sharded_documents_on_ranks(rank, world, compiler, names):
+    # Each rank holds its shard's position_ids, document ids or block ids; the site gathers them.
+    for name in names:
+        build, data = SHARDED_DOCUMENTS[name]
+        _check_documents(
+            build, data(2, 64), [16, 64], [1, 2], compiler, world=world, rank=rank, n=64, sharding="sharded",
+            layout="zigzag",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "world, names", [(2, ["hf-packed", "doc-window", "hf-blocks"]), (4, ["hf-packed"])], ids=["P2", "P4"]
+)  # a P = 4 compile is costly: one case
+def test_documents_sharded_match_reference(world, names):
+    run_ranks(world, _sharded_documents_on_ranks, "inductor", names)
+
+
 def test_positions_that_do_not_count_up_in_a_document_raise():
     """The band compares position values: within a document they must step by one, else the
     structure read from the graph does not hold for these inputs (checked at run time)."""
@@ -354,7 +415,9 @@ def test_positions_that_do_not_count_up_in_a_document_raise():
         compiled(q, q, q, pos, doc)
 
 
-def test_documents_in_sharded_mode_raise():
+def test_documents_of_key_positions_in_sharded_mode_raise():
+    """Chunks counted from each row's first token read the key's position as a number: in
+    sharded mode that is the rank's local one, so the site raises naming it."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -364,12 +427,12 @@ def test_documents_in_sharded_mode_raise():
     try:
         backend = ring_rewrite.backend(compiler="eager", sharding="sharded")
 
-        def attend(q, k, v, pos):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=hf_packed(q, pos))
+        def attend(q, k, v, pad):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=chunked(q, pad))
 
         q = torch.randn(2, 2, 16, 8)
-        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="use replicated mode"):
-            torch.compile(attend, backend=backend)(q, q, q, _packed(2, 16))
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="read key positions as numbers"):
+            torch.compile(attend, backend=backend)(q, q, q, _left_pad(2, 16))
     finally:
         dist.destroy_process_group()
 
@@ -438,3 +501,6 @@ def test_a_block_id_in_two_runs_raises():
     groups[0, 14] = 0  # id 0 again, after block 1
     with pytest.raises(ValueError, match="appears in more than one run"):
         compiled(q, q, q, groups)
+
+
+SHARDED_DOCUMENTS = {"hf-packed": DOCUMENTS[0], "doc-window": DOCUMENTS[1], "hf-blocks": (hf_blocks, _groups)}

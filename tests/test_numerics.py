@@ -124,6 +124,20 @@ def test_matches_reference(config, shape, is_causal):
             assert rel_err(g, s) < 1e-6
 
 
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("config", [CONFIGS["exact"], ([8, 16], [1, 2])], ids=["exact", "dilated"])
+def test_one_key_value_head_without_enable_gqa(config, is_causal):
+    """Multi-query attention as Falcon calls SDPA: one key/value head and no ``enable_gqa`` (SDPA
+    broadcasts the head), rewritten as grouped-query attention with one group; under inductor,
+    with gradients (dk and dv sum over every query head)."""
+    batch, hq, hkv, n, d = 2, 4, 1, 37, 8
+    q, k, v = _inputs(batch, hq, hkv, n, d, d)
+    dout = torch.randn(batch, hq, n, d)
+    got = _forward_backward(_compile(config, "inductor", is_causal=is_causal), q, k, v, dout)
+    _assert_rewritten()
+    _assert_close(got, _reference(config, q, k, v, dout, is_causal=is_causal))
+
+
 # ---- local branches in head chunks ------------------------------------------------------------
 
 

@@ -135,6 +135,18 @@ def _bert() -> torch.nn.Module:
     return _seeded(lambda: transformers.BertModel(cfg))
 
 
+def _modernbert() -> torch.nn.Module:
+    # NOTE: special token ids must lie inside the small vocabulary. A sliding layer's window is
+    # ``local_attention // 2`` on each side: ``abs(q_idx - kv_idx) <= 2``, a band of 5 in 16 tokens.
+    cfg = transformers.ModernBertConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, local_attention=4, layer_types=["full_attention", "sliding_attention"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, initializer_range=INIT,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return _seeded(lambda: transformers.ModernBertModel(cfg))
+
+
 def _bart() -> torch.nn.Module:
     cfg = transformers.BartConfig(
         vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -240,6 +252,13 @@ ZOO: dict[str, Zoo] = {
         _lm_call, _two("model.layers.{}.self_attn"),
     ),
     "gpt2": Zoo(_gpt2, _lm_call, _two("transformer.h.{}.attn")),
+    "falcon_multi_query": Zoo(  # one key/value head, no enable_gqa: SDPA broadcasts it; rotary, no ALiBi
+        _causal_lm(
+            "FalconForCausalLM", "FalconConfig", multi_query=True, new_decoder_architecture=False, alibi=False,
+            ffn_hidden_size=64,
+        ),
+        _lm_call, _two("transformer.h.{}.self_attention"),
+    ),  # fmt: skip
     "gpt_neox": Zoo(
         _causal_lm("GPTNeoXForCausalLM", "GPTNeoXConfig"), _lm_call, _two("gpt_neox.layers.{}.attention")
     ),
@@ -257,6 +276,9 @@ ZOO: dict[str, Zoo] = {
     "bert": Zoo(
         _bert, lambda m: m(_ids(), attention_mask=_right_padding()).last_hidden_state,
         _two("encoder.layer.{}.attention.self"), zero_gradients=r"\.key\.bias$",
+    ),
+    "modernbert": Zoo(  # layer 0 is global, layer 1 slides: a two-sided band |t - p| <= 2
+        _modernbert, lambda m: m(_ids(), attention_mask=_right_padding()).last_hidden_state, _two("layers.{}.attn")
     ),
     "bart": Zoo(
         _bart,
@@ -541,3 +563,47 @@ def test_llama_generate_matches_eager():
     assert [(_path(r, paths), r.rewritten) for r in prefill] == [(p, True) for p in paths], backend.records
     decode = [r for r in backend.records if r.decode]
     assert len(decode) == 2 * len(paths) and all(r.rewritten for r in backend.records), backend.records
+
+
+# ---- P = 2, sharded: the training recipe --------------------------------------------------------
+
+SHARDED = {
+    # A padding mask (left padding in one row): a band and a key bias.
+    "llama": lambda: {"input_ids": _ids(), "attention_mask": _left_padding()},
+    # No mask and no cache: transformers builds documents from the positions, one per row.
+    "gpt2": lambda: {"input_ids": _ids()},
+}
+
+
+def _sharded_recipe(rank: int, world: int, name: str, compiler: str) -> None:
+    """``shard_batch``, the sharded backend, the model's own loss, gradients summed over the
+    ranks: the loss and every gradient of the whole batch with the float64 reference."""
+    config = CONFIGS["dilated"]
+    whole = SHARDED[name]()
+    keep = whole.get("attention_mask", torch.ones(B, N, dtype=torch.long))
+    whole["labels"] = whole["input_ids"].masked_fill(keep == 0, -100)
+
+    def loss(model, batch, runner=None):
+        out = (model if runner is None else runner)(**batch, use_cache=False).loss
+        out.backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    calls: list[int] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", _reference_sdpa(config, calls, ()))
+        expected = loss(ZOO[name].build(), whole)
+    model = ZOO[name].build()
+    backend = ring_rewrite.backend(sharding="sharded", layout="zigzag", compiler=compiler, **config)
+    batch = ring_rewrite.shard_batch(whole, layout="zigzag")
+    got_loss, grads = loss(model, batch, torch.compile(model, backend=backend))
+    torch.distributed.all_reduce(got_loss)
+    for g in grads.values():
+        torch.distributed.all_reduce(g)  # each rank's gradient covers the loss of its own tokens
+    assert all(r.rewritten for r in backend.records) and len(backend.records) == len(ZOO[name].sites)
+    errors = _errors(name, (got_loss, grads), expected)
+    assert _worst(errors)[1] < BOUND, (rank, name, _worst(errors))
+
+
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_two_ranks_sharded_recipe_matches_reference(name):
+    run_ranks(2, _sharded_recipe, name, "inductor")
