@@ -22,12 +22,23 @@ so every length in ``(L/2, L]`` runs the graph compiled for the first of them. O
 sequence is the site's to cut: replicated mode, or one rank (in sharded mode each rank's shard
 holds fixed global positions). ``RingDilatedConfig(disable_passes=["length_buckets"])``
 specialises instead.
-Cross attention (Note [Self or cross attention] in ``find_sdpa.py``) and a site whose shapes would
-not be rewritten anyway (a dense mask) are not touched.
+
+A dense ``(B|1, H|1, s0, s0)`` mask (transformers builds one for every call with an
+``attention_mask`` or without a cache, a batch padded to its longest row gives a new ``s0`` each
+time) is read at its symbolic length (``masks.mask_structure``) and built again at ``L`` from
+what it is: its band, its documents (ids past ``s0``: one more document) and its key part (keys
+past ``s0`` masked), evaluated over the keys from the same tensors, so that the rewrite reads the
+same structure at a static length (``_structured_mask``). Where its structure cannot be read at a
+symbolic length (an order of documents other than equality, a band that depends on the length),
+the site specialises as before.
+
+Cross attention (Note [Self or cross attention] in ``find_sdpa.py``) is not touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -36,8 +47,11 @@ from torch._dynamo.utils import counters
 
 from ring_rewrite.config import RingDilatedConfig
 
-from ._fx import propagate_example_values, stamp
+from ring_rewrite.roles import role
+
+from ._fx import RoleTracer, emit, erase_unused, propagate_example_values, stamp
 from .find_sdpa import SdpaSite, cross_attention_reason, find_sdpa_sites
+from .masks import MaskStructure, key_mask, key_values, mask_structure
 from .records import records, sharded
 
 __all__ = ["NAME", "bucket_lengths", "bucket"]
@@ -59,7 +73,7 @@ def bucket_lengths(gm: fx.GraphModule, example_inputs: Any = None, *, config: Ri
     for i, site in enumerate(find_sdpa_sites(gm)):
         length = _symbolic_length(site)
         if length is not None:
-            _pad_site(gm.graph, site, length, first + i)
+            _pad_site(gm.graph, site, *length, first + i)
             counters["ring_rewrite"]["bucketed"] += 1
             changed += 1
     if changed:
@@ -68,9 +82,9 @@ def bucket_lengths(gm: fx.GraphModule, example_inputs: Any = None, *, config: Ri
     return gm
 
 
-def _symbolic_length(site: SdpaSite) -> torch.SymInt | None:
-    """The site's sequence length if it is a symbol that q, k, v (and a key-padding mask)
-    share, in self attention."""
+def _symbolic_length(site: SdpaSite) -> tuple[torch.SymInt, MaskStructure | None] | None:
+    """The site's sequence length if it is a symbol that q, k, v (and a mask) share, in self
+    attention; with a dense mask, also its structure."""
     q, k, v, mask = (site.meta(x) for x in (site.query, site.key, site.value, site.attn_mask))
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
         return None
@@ -89,12 +103,21 @@ def _symbolic_length(site: SdpaSite) -> torch.SymInt | None:
     if site.attn_mask is not None:
         if not isinstance(mask, torch.Tensor) or site.is_causal or mask.requires_grad:
             return None
-        if mask.dim() < 2 or not same(mask.shape[-1]) or mask.shape[-2] != 1:
+        if mask.dim() < 2 or not same(mask.shape[-1]):
             return None
-    return n
+        if mask.shape[-2] != 1:
+            if not same(mask.shape[-2]):
+                return None
+            structure = mask_structure(site.attn_mask, n, specialise=False)
+            if isinstance(structure, str) or structure.relation != "eq" and not structure.blocks:
+                return None
+            return n, structure
+    return n, None
 
 
-def _pad_site(graph: fx.Graph, site: SdpaSite, n: torch.SymInt, index: int) -> None:
+def _pad_site(
+    graph: fx.Graph, site: SdpaSite, n: torch.SymInt, structure: MaskStructure | None, index: int
+) -> None:
     size = bucket(n.node.hint)
     # NOTE: comparing the symbol guards the graph on its bucket: another length compiles again.
     if not size // 2 < n <= size:
@@ -109,9 +132,12 @@ def _pad_site(graph: fx.Graph, site: SdpaSite, n: torch.SymInt, index: int) -> N
 
     with graph.inserting_before(node):
         length = call(torch.ops.aten.sym_size.int, site.query, 2)
+        propagate_example_values([length])  # the structured mask reads it
         q, k, v = (call(_padded, x, size, length) for x in (site.query, site.key, site.value))
         mask = site.attn_mask
-        if mask is not None or not site.is_causal:
+        if structure is not None:
+            mask = _emit_structured_mask(graph, structure, site.query, size, length, index, node.meta.get("stack_trace"))
+        elif mask is not None or not site.is_causal:
             mask = call(_key_mask, site.query, size, length, mask)
         args, kwargs = [q, k, v, *node.args[3:]], dict(node.kwargs)
         if len(args) > 3:
@@ -120,10 +146,12 @@ def _pad_site(graph: fx.Graph, site: SdpaSite, n: torch.SymInt, index: int) -> N
             kwargs["attn_mask"] = mask
         padded = call(node.target, *args, **kwargs)
         out = call(_unpadded, padded, length)
-    propagate_example_values(new)
+    propagate_example_values(new[1:])
     padded.meta = {**node.meta, "example_value": padded.meta["example_value"]}
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    if structure is not None:
+        erase_unused(graph, site.attn_mask)  # the construction at the symbolic length
 
 
 # NOTE: gathers, not pad and narrow: a narrowed view is contiguous at length L only, and the
@@ -151,3 +179,56 @@ def _key_mask(q: torch.Tensor, size: int, length, mask: torch.Tensor | None) -> 
 def _unpadded(x: torch.Tensor, length) -> torch.Tensor:
     """The first ``length`` tokens of ``x`` (dim 2)."""
     return x.index_select(2, torch.arange(length, device=x.device))
+
+
+def _emit_structured_mask(graph, structure, q, size, length, index, stack) -> fx.Node:
+    """``_structured_mask`` as graph nodes of plain torch ops, with example values: the rewrite
+    reads the mask back from them (``masks.mask_structure``)."""
+    before = set(graph.nodes)
+    with role("bucket"):
+        mask = emit(RoleTracer(graph, index, stack), functools.partial(_structured_mask, structure, size=size),
+                    q, length, *structure.data)  # fmt: skip
+    propagate_example_values([n for n in graph.nodes if n not in before])
+    return mask
+
+
+def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, size: int) -> torch.Tensor:
+    """The dense mask ``structure`` describes, at ``size`` tokens, the keys past ``length``
+    masked: ``(B|1, H|1, size, size)`` in ``q``'s dtype, built as ``masks.mask_structure`` reads
+    it. ``data`` are the tensors ``structure.data`` names, at ``length`` tokens."""
+    b, h = structure.shape[:2]
+    structure = dataclasses.replace(structure, shape=(b, h, length, length))  # the graph's length
+    i = torch.arange(size, device=q.device)
+    p, t = i.view(1, 1, size, 1), i.view(1, 1, 1, size)
+    # NOTE: a gather from the values followed by ``size`` fills, not a concatenation of
+    # ``size - length`` fills: that is empty at ``length == size``, and the compilers would guard
+    # on it (one graph more for the length of the bucket itself).
+    pick = torch.where(i < length, i, i + length)
+
+    def keys(values: torch.Tensor, fill: torch.Tensor, lead: tuple[int, ...] = ()) -> torch.Tensor:
+        """``values (*lead|1, length)`` over the keys, then ``fill (*lead|1, size)`` past them:
+        ``(*lead, size)``, a tensor the mask reads as data."""
+        both = torch.cat([values.expand(*lead, length), fill.expand(*lead, size)], -1)
+        return both.index_select(-1, pick)
+
+    bias = key_mask(structure, q.dtype, *data)  # 0 / -inf and key biases
+    bias = keys(bias, bias.new_full((1, 1, 1), float("-inf")), (b, h))
+    allowed = torch.ones((), dtype=torch.bool, device=q.device)
+    distance = t - p
+    if structure.positions is not None:
+        # The padding counts its own positions: a document of its own (below).
+        positions = keys(key_values(structure, structure.positions, *data), i.view(1, size), (b,)).view(b, 1, 1, size)
+        distance = positions - positions.transpose(-1, -2)
+    if structure.lo is not None:
+        allowed = allowed & (distance >= structure.lo)
+    if structure.hi is not None:
+        allowed = allowed & (distance <= structure.hi)
+    if structure.documents is not None:
+        docs = key_values(structure, structure.documents, *data)
+        if structure.blocks:  # no block after the tokens: ids below 0
+            docs = keys(docs, docs.new_full((1, 1), -1), (b,)).view(b, 1, 1, size)
+            allowed = allowed & ((t <= p) | ((docs == docs.transpose(-1, -2)) & (docs.transpose(-1, -2) >= 0)))
+        else:  # one more document after the tokens
+            docs = keys(docs, (docs.max() + 1).view(1, 1), (b,)).view(b, 1, 1, size)
+            allowed = allowed & (docs == docs.transpose(-1, -2))
+    return torch.where(allowed, 0.0, float("-inf")).to(q.dtype) + bias.view(b, h, 1, size)

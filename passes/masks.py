@@ -434,15 +434,19 @@ class MaskStructure:
         return ", ".join(parts) or "all keys"
 
 
-def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
+def mask_structure(mask: fx.Node, n: int, *, specialise: bool = True) -> MaskStructure | str:
     """The structure of ``mask`` (an SDPA ``attn_mask`` of ``n`` queries and keys), or the
-    reason it has none."""
+    reason it has none. ``specialise=False`` keeps a symbolic length a symbol (the band's bounds
+    must not be one)."""
     try:
         shape = _shape(mask)
         if len(shape) < 2 or shape[-1] != n or shape[-2] not in (1, n):
             return f"attn_mask of shape {shape} for {n} queries and keys"
-        # NOTE: the site's own shapes are specialised (find_sdpa), so its mask's are too.
-        full = tuple(guard_int(x) if isinstance(x, torch.SymInt) else x for x in (1,) * (4 - len(shape)) + shape)
+        # NOTE: the site's own shapes are specialised (find_sdpa), so its mask's are too; the
+        # length-bucketing pass reads it at a symbolic length.
+        full = (1,) * (4 - len(shape)) + shape
+        if specialise:
+            full = tuple(guard_int(x) if isinstance(x, torch.SymInt) else x for x in full)
         reader = _Reader()
         e = reader.operand(mask, full)
         parts = _Parts()
@@ -454,6 +458,8 @@ def mask_structure(mask: fx.Node, n: int) -> MaskStructure | str:
         return f"dense attn_mask whose structure cannot be read ({error})"
     if band is None:
         return f"dense attn_mask of shape {shape} that depends on query and key positions in a way that is not a band"
+    if not specialise and any(isinstance(x, torch.SymInt) for x in band):
+        return f"dense attn_mask whose band {band} depends on the length"
     lo, hi = (None if x is None else guard_int(x) if isinstance(x, torch.SymInt) else x for x in band)
     if lo is not None and hi is not None and lo > hi:
         return f"dense attn_mask that allows no key ({lo} <= t - p <= {hi})"

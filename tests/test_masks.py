@@ -504,3 +504,47 @@ def test_a_block_id_in_two_runs_raises():
 
 
 SHARDED_DOCUMENTS = {"hf-packed": DOCUMENTS[0], "doc-window": DOCUMENTS[1], "hf-blocks": (hf_blocks, _groups)}
+
+
+# ---- a new length every call: one graph per bucket -------------------------------------------------
+
+# 16 (static), then 24 (dynamo makes the length a symbol: bucket 32), 40 (bucket 64), 28 and 32
+# (bucket 32 again): three graphs, where a mask specialised to its length compiles one per length.
+LENGTHS = (16, 24, 40, 28, 32)
+BUCKETED = {
+    "hf-causal": (hf_causal, _padding),  # a batch padded to its longest row, as transformers masks it
+    "hf-window": (hf_window, _padding),
+    "hf-packed": (hf_packed, _packed),
+    "hf-blocks": (hf_blocks, _groups),
+}
+
+
+@pytest.mark.parametrize(
+    "name, compiler",
+    [("hf-causal", "inductor"), ("hf-window", "aot_eager"), ("hf-packed", "aot_eager"), ("hf-blocks", "aot_eager")],
+)
+def test_dense_mask_of_a_new_length_compiles_one_graph_per_bucket(name, compiler):
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    build, data = BUCKETED[name]
+    segs, rates = [8, 16], [1, 2]
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
+
+    def attend(q, k, v, data):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, data))
+
+    compiled = torch.compile(attend, backend=backend, fullgraph=True)
+    for n in LENGTHS:
+        q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for _ in range(3))
+        dout, mask_data = torch.randn(2, 4, n, 8), data(2, n)
+        ref = reference_attention(
+            q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=build(torch.empty(2, 1, n, 1), mask_data)
+        )
+        expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
+        out = compiled(q, k, v, mask_data)
+        got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
+        errors = [rel_err(a, b) for a, b in zip(got, expected)]
+        assert max(errors) < BOUND, (name, n, errors)
+    counts = torch._dynamo.utils.counters["ring_rewrite"]
+    assert (counts["rewritten"], counts["bucketed"], counts["skipped"]) == (3, 2, 0), dict(counts)

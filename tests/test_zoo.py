@@ -607,3 +607,31 @@ def _sharded_recipe(rank: int, world: int, name: str, compiler: str) -> None:
 @pytest.mark.parametrize("name", sorted(SHARDED))
 def test_two_ranks_sharded_recipe_matches_reference(name):
     run_ranks(2, _sharded_recipe, name, "inductor")
+
+
+# ---- a new length every batch ---------------------------------------------------------------------
+
+
+def test_batches_padded_to_their_longest_row_compile_one_graph_per_bucket():
+    """Batches as ``DataCollatorWithPadding`` makes them (a new length each, past dynamo's
+    recompile limit): the transformers mask of each is read at its symbolic length and built at
+    its bucket, so lengths share graphs, never reach the limit, and match the reference."""
+    config = CONFIGS["dilated"]
+    model = ZOO["llama"].build()
+    backend = ring_rewrite.backend(compiler="aot_eager", **config)
+    compiled = torch.compile(model, backend=backend)
+    lengths = (16, 24, 40, 28, 32, 20, 36, 48, 56, 12)  # more than the limit of 8
+    assert len(lengths) > torch._dynamo.config.recompile_limit
+    for n in lengths:
+        ids = torch.randint(3, V, (B, n), generator=torch.Generator().manual_seed(n))
+        mask = torch.ones(B, n, dtype=torch.long)
+        mask[1, n - 5 :] = 0  # right padding of the shorter row
+        call = lambda m: m(ids, attention_mask=mask, use_cache=False).logits  # noqa: E731
+        got = call(compiled)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.nn.functional, "scaled_dot_product_attention", _reference_sdpa(config, [], ()))
+            expected = call(model)
+        assert rel_err(got, expected) < BOUND, n
+    # 16 (static, the first call), then buckets 32, 64 and, for 12, 16: four graphs.
+    graphs = len(backend.records) // 2  # two sites a graph
+    assert graphs == 4 and all(r.rewritten for r in backend.records), [r.shapes["query"] for r in backend.records]
