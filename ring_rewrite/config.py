@@ -13,6 +13,9 @@ from .p2p import MAX_BRANCHES
 
 __all__ = ["RingDilatedConfig"]
 
+_INT64_MAX = 2**63 - 1
+_MAX_TIMEOUT = 1e12  # seconds: in milliseconds, an int64 the transfers carry
+
 Sharding = Literal["replicated", "sharded"]
 Layout = Literal["contiguous", "zigzag"]
 Compiler = Literal["inductor", "aot_eager", "eager"]
@@ -83,6 +86,10 @@ class RingDilatedConfig:
                     raise ValueError(f"segment_lengths[{i}] = {w} must be >= 1")
                 if r < 1:
                     raise ValueError(f"dilation_rates[{i}] = {r} must be >= 1")
+                # NOTE: sizes reach the custom ops as int64; any w >= N is one segment anyway.
+                for name, x in (("segment_lengths", w), ("dilation_rates", r)):
+                    if x > _INT64_MAX:
+                        raise ValueError(f"{name}[{i}] = {x} is larger than an int64 ({_INT64_MAX})")
                 if w % r:
                     raise ValueError(
                         f"segment_lengths[{i}] = {w} is not a multiple of dilation_rates[{i}] = {r}"
@@ -101,8 +108,10 @@ class RingDilatedConfig:
         timeout = self.timeout
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < _MAX_TIMEOUT:
+            raise ValueError(
+                f"timeout must be a positive, finite number of seconds below {_MAX_TIMEOUT:.0e}, got {self.timeout!r}"
+            )
         object.__setattr__(self, "timeout", float(timeout))
         if self.sharding not in ("replicated", "sharded"):
             raise ValueError(f"sharding must be 'replicated' or 'sharded', got {self.sharding!r}")
