@@ -528,20 +528,26 @@ def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:
 
 # Note [Positions in sharded mode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# In sharded mode each rank's graph sees its own N / P tokens, but positions are global: a query
-# or key that depends on ``arange(n)`` over the shard's own length (transformers' default
-# ``cache_position`` and ``position_ids`` when the caller passes none; a position embedding
-# indexed by it) numbers every rank's tokens from 0. Attention over the ring is then still
-# exact, but the model embeds the wrong positions: a different function, with no error. So
+# In sharded mode each rank's graph sees its own N / P tokens, but positions are global. A query
+# or key that depends on positions the graph counts over the shard's own tokens numbers every
+# rank's tokens from 0: attention over the ring is still exact, but the model embeds the wrong
+# positions, a different function with no error. Three ways models count them, each refused:
+#
+# * ``torch.arange(n)`` over the ``n`` tokens (transformers' default ``cache_position`` and
+#   ``position_ids`` when the caller passes none; GPT-2's position embedding);
+# * a slice ``[0:n]`` of a module's buffer (BERT's ``position_ids`` buffer, cached RoPE tables);
+# * a cumulative sum along the ``n`` tokens (RoBERTa's positions from its padding mask).
+#
 # ``local_positions`` walks back from q and k through every input, except at an attention call
 # (an SDPA node or a site already rewritten), where it follows only that call's q, k and v (its
 # mask is built from positions too, and says nothing about the values that leave it). The first
-# ``arange(0, n)`` of step 1 it meets is the reason the site cannot run sharded.
+# such count it meets is the reason the site cannot run sharded. Positions passed in as inputs
+# (``position_ids``) are the caller's, and global where ``shard_batch`` made them.
 
 
-def local_positions(site: SdpaSite, n: int) -> fx.Node | None:
-    """The ``torch.arange`` over the site's ``n`` tokens that its query or key derive from
-    (Note [Positions in sharded mode]), or None."""
+def local_positions(site: SdpaSite, n: int) -> tuple[fx.Node, str] | None:
+    """The node that counts positions over the site's ``n`` tokens and that its query or key
+    derive from, with how it counts them (Note [Positions in sharded mode]), or None."""
     seen: set[fx.Node] = set()
     stack = [site.query, site.key]
     while stack:
@@ -549,8 +555,9 @@ def local_positions(site: SdpaSite, n: int) -> fx.Node | None:
         if node in seen:
             continue
         seen.add(node)
-        if _counts_tokens(node, n):
-            return node
+        how = _counts_tokens(node, n)
+        if how is not None:
+            return node, how
         stack.extend(_attention_operands(node) or node.all_input_nodes)
     return None
 
@@ -565,15 +572,47 @@ def _attention_operands(node: fx.Node) -> list[fx.Node] | None:
     return None
 
 
-def _counts_tokens(node: fx.Node, n: int) -> bool:
-    """Whether ``node`` is ``torch.arange(0, n)`` (step 1)."""
-    if node.op != "call_function" or node.target is not torch.arange:
-        return False
-    value = node.meta.get("example_value")
-    if not isinstance(value, torch.Tensor) or value.dim() != 1 or _hint(value.shape[0]) != n:
-        return False
-    bounds = [a for a in node.args if not isinstance(a, torch.dtype)]
-    start = bounds[0] if len(bounds) >= 2 else node.kwargs.get("start", 0)
-    step = bounds[2] if len(bounds) >= 3 else node.kwargs.get("step", 1)
-    values = [x.meta.get("example_value") if isinstance(x, fx.Node) else x for x in (start, step)]
-    return all(isinstance(v, (int, torch.SymInt)) for v in values) and [_hint(v) for v in values] == [0, 1]
+def _counts_tokens(node: fx.Node, n: int) -> str | None:
+    """How ``node`` counts positions over ``n`` tokens (Note [Positions in sharded mode]), or None."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    if node.target is torch.arange:
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or _hint(value.shape[0]) != n:
+            return None
+        bounds = [a for a in node.args if not isinstance(a, torch.dtype)]
+        start = bounds[0] if len(bounds) >= 2 else node.kwargs.get("start", 0)
+        step = bounds[2] if len(bounds) >= 3 else node.kwargs.get("step", 1)
+        values = [x.meta.get("example_value") if isinstance(x, fx.Node) else x for x in (start, step)]
+        counts = all(isinstance(v, (int, torch.SymInt)) for v in values) and [_hint(v) for v in values] == [0, 1]
+        return "torch.arange" if counts else None
+    if node.target in (torch.cumsum, "cumsum"):
+        x = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if isinstance(x, torch.Tensor) and isinstance(dim, int) and x.dim() and _hint(x.shape[dim]) == n:
+            return "a cumulative sum along the tokens"
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        buffer = _module_state(node.args[0])
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if buffer is None or Ellipsis in index or None in index:
+            return None
+        for dim, i in enumerate(index):
+            if not (isinstance(i, slice) and isinstance(i.stop, int) and (i.step or 1) == 1):
+                continue
+            values = buffer.narrow(dim, i.start or 0, i.stop - (i.start or 0)) if dim < buffer.dim() else None
+            # NOTE: a buffer that does not change along the tokens (token type ids of zeros) is no count.
+            if values is not None and values.shape[dim] == n and not bool((values == values.narrow(dim, 0, 1)).all()):
+                return "a slice of a module's buffer"
+    return None
+
+
+def _module_state(node: fx.Node) -> torch.Tensor | None:
+    """The value of a module's buffer (or parameter) that ``node`` is, or None."""
+    if node.op == "get_attr" and node.graph.owning_module is not None:
+        value = getattr(node.graph.owning_module, node.target, None)
+    elif node.op == "placeholder" and not _is_sequence(node) and node.meta.get("grapharg") is not None:
+        value = node.meta["grapharg"].example
+    else:
+        return None
+    return value if isinstance(value, torch.Tensor) else None

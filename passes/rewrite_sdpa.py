@@ -209,9 +209,10 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
     n = site.shapes["query"][2]
     counted = local_positions(site, n) if config.sharding == "sharded" and world > 1 else None
     if counted is not None:
+        node, how = counted
         raise ValueError(
-            f"its query or key derives from positions counted from 0 over this rank's {n} tokens "
-            f"(torch.arange at {location(counted)}), but in sharded mode positions are global: pass "
+            f"its query or key derives from positions counted over this rank's {n} tokens alone "
+            f"({how} at {location(node)}), but in sharded mode positions are global: pass "
             "the global position_ids, as ring_rewrite.shard_batch(batch, group=..., layout=...) adds them, or "
             "position_ids=ring_rewrite.positions(N, world=P, rank=r, layout=...)"
         )

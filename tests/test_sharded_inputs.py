@@ -168,7 +168,7 @@ def _sharded(model: nn.Module, *, with_positions: bool) -> list:
 
 @pytest.mark.parametrize("embed", [False, True], ids=["rope", "position-embedding"])
 def test_positions_counted_over_the_shard_raise(embed):
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="positions counted from 0") as error:
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="positions counted over this rank") as error:
         _sharded(Block(embed), with_positions=False)
     assert "shard_batch" in str(error.value) and "test_sharded_inputs.py" in str(error.value)
 
@@ -183,3 +183,27 @@ def test_one_process_counts_positions_as_it_likes():
     backend = ring_rewrite.backend(compiler="eager", sharding="sharded")
     torch.compile(Block(), backend=backend)(torch.randn(1, 8, DIM))
     assert backend.records[0].rewritten
+
+
+def _encoder(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    return getattr(transformers, f"{name}Model")(config)
+
+
+@pytest.mark.parametrize(
+    "name, how", [("Bert", "a slice of a module's buffer"), ("Roberta", "a cumulative sum along the tokens")]
+)
+def test_encoder_positions_counted_over_the_shard_raise(name, how):
+    """BERT slices its ``position_ids`` buffer to the tokens it sees, RoBERTa counts them from
+    its padding: both local positions in sharded mode, unless ``position_ids`` are passed."""
+    ids = torch.randint(3, 64, (1, 8))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="positions counted") as error:
+        capture_ranks(_encoder(name), (ids,), world=2, aot=False, backward=False, sharding="sharded")
+    assert how in str(error.value)
+    positions = lambda rank: (ids, None, None, ring_rewrite.positions(16, world=2, rank=rank, layout="contiguous")[None] + 2)  # noqa: E731
+    captures = capture_ranks(_encoder(name), positions, world=2, aot=False, backward=False, sharding="sharded")
+    assert all(record.rewritten for cap in captures for record in cap.records)
