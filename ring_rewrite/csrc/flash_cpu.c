@@ -154,6 +154,15 @@ static inline int64_t seen(int causal, int64_t row, int64_t n, int64_t kb) {
 
 static inline int64_t pad(int64_t n) { return (n + VL - 1) / VL * VL; }
 
+/* Whether the first `cols` values of `rows` rows (`ld` apart) are all finite. */
+static int all_finite(const float *x, int64_t ld, int64_t rows, int64_t cols) {
+    int ok = 1;
+    for (int64_t i = 0; i < rows; i++)
+#pragma omp simd reduction(&& : ok)
+        for (int64_t j = 0; j < cols; j++) ok = ok && isfinite(x[i * ld + j]);
+    return ok;
+}
+
 static void *scratch(int64_t floats) {
     return aligned_alloc(VL * sizeof(float), sizeof(float) * pad(floats));
 }
@@ -213,7 +222,18 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
                     for (int64_t d = 0; d < Dv; d++)
 #pragma omp simd
                         for (int64_t r = 0; r < TQ; r++) acc[d * TQ + r] *= shrink[r];
-                product(Dv, TQ, kb, vh + n * vs[2], 1, vs[2], st, TQ, acc, TQ, 1); /* out^T += V^T P^T */
+                /* out^T += V^T P^T. A key past some row's diagonal has P = 0 there, and 0 times a
+                 * NaN or inf in its value row would reach that row, which does not see the key:
+                 * such keys (rare: checked, not assumed) add only to the rows that see them. */
+                const int64_t clean = cut < kb && !all_finite(vh + (n + cut) * vs[2], vs[2], kb - cut, Dv) ? cut : kb;
+                product(Dv, TQ, clean, vh + n * vs[2], 1, vs[2], st, TQ, acc, TQ, 1);
+                for (int64_t c = clean; c < kb; c++) {
+                    const float *vr = vh + (n + c) * vs[2];
+                    for (int64_t d = 0; d < Dv; d++)
+#pragma omp simd
+                        for (int64_t r = n + c - m > 0 ? n + c - m : 0; r < TQ; r++)
+                            acc[d * TQ + r] += vr[d] * st[c * TQ + r];
+                }
             }
             for (int64_t r = 0; r < tq; r++) {
                 float *o = out + at(os, nseg, b, h, m + r), *l = lse + at(ls, nseg, b, h, m + r);
