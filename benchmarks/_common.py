@@ -182,7 +182,7 @@ def run_ranks(fn: Callable[[int, int, Any], dict], world: int, args: Any) -> lis
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max-abs error / max-abs value (SPEC §5)."""
+    """max-abs error / max-abs value (docs/semantics.md, Accuracy)."""
     expected = expected.double()
     scale = expected.abs().max().clamp_min(1e-30)
     return ((actual.double() - expected).abs().max() / scale).item()

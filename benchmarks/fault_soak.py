@@ -1,4 +1,5 @@
-"""Soak: many small training steps at P = 4 with faults injected at random (SPEC §3, Faults).
+"""Soak: many small training steps at P = 4 with faults injected at random (docs/semantics.md,
+Faults).
 
 Every step runs two compiled variants of one site (causal, then not; replicated exact attention,
 a ring of 4 ranks, inductor) and the backward, on one fixed ``(1, 2, 32, 8)`` float32 input. Each

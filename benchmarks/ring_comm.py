@@ -1,10 +1,11 @@
-"""Bytes each rank sends per forward and per backward, exact and dilated, against the plan (SPEC §3).
+"""Bytes each rank sends per forward and per backward, exact and dilated, against the plan.
 
-SPEC §3: "only ranks whose segments overlap exchange data, and only the dilated rows (1/r of
-them) travel". One function calling ``F.scaled_dot_product_attention`` on ``q, k, v`` of shape
-``(1, 8, N/P, 64)`` float32 is compiled with the ``ring_dilated`` backend (sharded mode,
-contiguous layout, ``compiler="aot_eager"``) under each config below, on P gloo ranks spawned on
-this machine, and run forward + backward once to compile, then once measured.
+Only ranks whose segments overlap exchange data, and only the dilated rows (1/r of them) travel
+(docs/semantics.md, Memory and communication). One function calling
+``F.scaled_dot_product_attention`` on ``q, k, v`` of shape ``(1, 8, N/P, 64)`` float32 is compiled
+with the ``ring_dilated`` backend (sharded mode, contiguous layout, ``compiler="aot_eager"``) under
+each config below, on P gloo ranks spawned on this machine, and run forward + backward once to
+compile, then once measured.
 
 The first step is also a check: every rank holds its shard of one global ``q, k, v, grad_out``
 built from a fixed seed, and the output and q/k/v gradients of all ranks together are compared
@@ -21,10 +22,11 @@ Configs, causal and not (``--quick``: causal only):
 * ``exact``: the default config, one branch ``(N, 1)``: a ring over all P ranks.
 * ``(N,1)``: that branch given explicitly, the undilated ring the ratios are taken against.
 * ``(N/8,1)+(N,r)`` for r = 2, 4, 8: one dilated branch over the whole sequence, a full ring.
-  A branch of rate r > 1 alone is refused by the config (SPEC §2: some (head, position) would lie
-  on no lattice and attend to nothing), so each comes with the nearest allowed companion: a
-  rate-1 branch of segment N/8, local to every rank's shard for P <= 8, which sends nothing.
-  Its ring should send exactly 1/r of the undilated ring's bytes, forward and backward.
+  A branch of rate r > 1 alone is refused by the config (docs/semantics.md, Configs: some
+  (head, position) would lie on no lattice and attend to nothing), so each comes with the
+  nearest allowed companion: a rate-1 branch of segment N/8, local to every rank's shard for
+  P <= 8, which sends nothing. Its ring should send exactly 1/r of the undilated ring's bytes,
+  forward and backward.
 * ``longnet``: segments [N/8, N/4, N/2, N], rates [1, 2, 4, 8].
 
 Bytes do not depend on speed, so N can be small. Writes ``results/ring_comm.json`` and

@@ -21,9 +21,10 @@ whether it can fit: an N whose predicted peak (measured bytes per token, scaled)
 memory available is reported as not run rather than left to the OOM killer.
 
 Numerics at every N: on each rank, 4 sampled query rows (every head), their output and their dq
-against a float64 computation of SPEC §2 for those rows alone (``_reference_rows``: the keys each
-branch connects, weighted by how many branches connect them; dq from the same probabilities),
-max-abs error over max-abs value of the sampled rows, bound 1e-5.
+against a float64 computation of the site's function (docs/semantics.md, The function) for those
+rows alone (``_reference_rows``: the keys each branch connects, weighted by how many branches
+connect them; dq from the same probabilities), max-abs error over max-abs value of the sampled
+rows, bound 1e-5.
 
 Against torch's exact ring (``--compare N``): the same shards through torch's context-parallel
 ring (``benchmarks/torch_ring.py``'s ``TorchRing``, all-gather rotation, its head-tail load
@@ -88,9 +89,10 @@ def _shard(kind: str, n: int, world: int, rank: int) -> torch.Tensor:
 
 
 def _reference_rows(p: int, n: int) -> dict[str, torch.Tensor]:
-    """Output and dq ``(B, HQ, D)`` of global query position ``p``, in float64 (SPEC §2: the
-    keys a branch connects to ``p`` for head ``j`` are those of ``p``'s segment on ``j``'s lattice
-    when ``p`` is on it; each key weighs by how many branches connect it; causal)."""
+    """Output and dq ``(B, HQ, D)`` of global query position ``p``, in float64 (docs/semantics.md,
+    The function: the keys a branch connects to ``p`` for head ``j`` are those of ``p``'s segment
+    on ``j``'s lattice when ``p`` is on it; each key weighs by how many branches connect it;
+    causal)."""
     q, dout = (_rows(kind, p, p + 1)[:, :, 0].double() for kind in ("q", "dout"))
     lo = min((p // min(w, n)) * min(w, n) for w in SEGMENTS)
     k, v = (_rows(kind, lo, p + 1).double() for kind in ("k", "v"))

@@ -77,7 +77,7 @@ import _common
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 SEGMENTS, RATES = [2048, 4096, 8192, 16384], [1, 2, 4, 8]
 EXACT = ("dense", "ours exact")  # the implementations of exact attention; the others are dilated
-TARGET_EAGER, TARGET_EXACT = 3.0, 1.2  # SPEC: >= 3x faster than eager at 32k; exact <= 1.2x SDPA
+TARGET_EAGER, TARGET_EXACT = 3.0, 1.2  # >= 3x faster than eager at 32k; exact <= 1.2x SDPA
 # Issue 19, item 1: >= 80 % of torch.mm from 16k to 64k, time per token flat within 10 % from 16k
 # on, peak at most 6 q-sized tensors.
 TARGET_MM, TARGET_FLAT, TARGET_Q_SIZED, FROM_N = 80.0, 1.10, 6.0, 16384

@@ -6,8 +6,8 @@
 ``F.scaled_dot_product_attention``. One decorator line makes every instance of it compile with the
 ``ring_dilated`` backend (LongNet segments and dilation rates); the code of the block does not
 change. The script runs forward and backward once and compares the output and every gradient with
-the same block in float64 whose attention is ``ring_rewrite.reference_attention`` (SPEC §2).
-Exits non-zero if any error exceeds the float32 bound of SPEC §5.
+the same block in float64 whose attention is ``ring_rewrite.reference_attention``.
+Exits non-zero if any error exceeds the float32 bound (docs/semantics.md, Accuracy).
 
 The default compiler here is ``aot_eager`` (a few seconds); ``--compiler inductor`` lowers the
 rewritten graph with inductor, as a real run would.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import ring_rewrite
 
 SEGMENTS, RATES = [32, 64, 128], [1, 2, 4]
-BOUND = 1e-5  # float32 vs the float64 reference, SPEC §5
+BOUND = 1e-5  # float32 vs the float64 reference (docs/semantics.md, Accuracy)
 
 
 class TransformerBlock(nn.Module):

@@ -9,7 +9,8 @@ five attention sites; three can be rewritten (one with dropout inside attention 
 two cannot (a dense attention mask, ``nn.MultiheadAttention`` whose attention weights are used). The script
 prints the report, checks every row against the expectation written next to each call in
 ``forward`` (``# site: ...``), then runs the compiled model and checks its output against the
-same model with SPEC §2 attention at the rewritten sites. Exits non-zero if anything differs.
+same model with float64 reference attention at the rewritten sites. Exits non-zero if anything
+differs.
 
 The default compiler here is ``aot_eager`` (a few seconds); ``--compiler inductor`` lowers the
 rewritten graph with inductor, as a real run would.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 import ring_rewrite
 
 SEGMENTS, RATES = [32, 64], [1, 2]
-BOUND = 1e-5  # float32 vs the float64 reference, SPEC §5
+BOUND = 1e-5  # float32 vs the float64 reference (docs/semantics.md, Accuracy)
 
 # What each site should show in the report: None if rewritten, else words of its reason.
 EXPECTED = {
@@ -42,7 +43,7 @@ EXPECTED = {
 
 
 def reference_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False) -> torch.Tensor:
-    """What the rewritten model computes at an SDPA site in eval (no dropout): SPEC §2, except
+    """What the rewritten model computes at an SDPA site in eval (no dropout): the reference, except
     at a site with a dense mask, which is left alone and stays SDPA."""
     if attn_mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
@@ -150,7 +151,7 @@ def main() -> int:
     problems = check_report(report)
 
     # 2. The numbers, in eval mode (dropout off: deterministic): the rewritten sites compute
-    # SPEC §2, the sites left alone what they computed before.
+    # the reference, the sites left alone what they computed before.
     model.eval()
     compiled = torch.compile(
         model,

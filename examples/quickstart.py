@@ -46,7 +46,7 @@ class Block(nn.Module):
         return self.finish(x, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The same block with SPEC §2 attention in float64."""
+        """The same block with reference attention in float64."""
         q, k, v = self.project(x.double())
         attn = reference_attention(
             q, k, v, segment_lengths=SEGMENTS, dilation_rates=RATES, is_causal=True
@@ -89,7 +89,7 @@ def main() -> int:
     for name, err in errors.items():
         print(f"{name:>16}: max rel. error vs float64 reference {err:.2e}")
     bound = 1e-5
-    print(f"\n{'OK' if worst <= bound else 'FAIL'}: worst {worst:.2e} (float32 bound {bound:.0e}, SPEC §5)")
+    print(f"\n{'OK' if worst <= bound else 'FAIL'}: worst {worst:.2e} (float32 bound {bound:.0e})")
     return 0 if worst <= bound else 1
 
 

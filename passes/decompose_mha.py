@@ -34,9 +34,10 @@ in the order ``norm_first`` gives::
 it is (or None); a node left alone is listed in ``gm.meta["ring_rewrite_sites"]`` with its reason.
 
 Note [Site ids of decomposed modules]
-    A decomposed module is not a site of its own: its SDPA node becomes one in ``rewrite_sdpa``,
-    which numbers sites in graph order after the records already in ``gm.meta``. The decompose
-    nodes get the id that SDPA node will get, so a site's report row and all its nodes agree.
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A decomposed module is not a site of its own: its SDPA node becomes one in ``rewrite_sdpa``,
+which numbers sites in graph order after the records already in ``gm.meta``. The decompose
+nodes get the id that SDPA node will get, so a site's report row and all its nodes agree.
 """
 
 from __future__ import annotations
@@ -269,7 +270,8 @@ def _leave_alone(gm: fx.GraphModule, config: RingDilatedConfig, site: ModuleSite
 
 
 def _sdpa_site_ids(gm: fx.GraphModule, nodes: set[fx.Node], first: int) -> dict[fx.Node, int]:
-    """The id ``rewrite_sdpa`` will give the SDPA node that replaces each of ``nodes``."""
+    """The id ``rewrite_sdpa`` will give the SDPA node that replaces each of ``nodes``
+    (Note [Site ids of decomposed modules])."""
     ids, index = {}, first
     for node in gm.graph.nodes:
         if node in nodes:

@@ -6,7 +6,7 @@ why a site must stay as it is (or None).
 
 Note [Self or cross attention]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Only self attention is rewritten (SPEC §2), decided by data flow, not by equal lengths (a
+Only self attention is rewritten, decided by data flow, not by equal lengths (a
 decoder's cross attention to an encoder output of its own length is still cross attention).
 ``data_flow`` walks back from q, k and v to their *sequences*: the graph's inputs that are
 tensors and no module state (dynamo marks parameters, buffers and a module's tensor attributes
@@ -221,7 +221,8 @@ def _heads_reason(hq: int, hkv: int, enable_gqa: bool) -> str | None:
 
 def is_decode_step(site: SdpaSite) -> bool:
     """Whether ``site`` is a decode step: a query of a fixed length ``m`` shorter than its keys,
-    which derive from the query's sequence (a KV cache: SPEC §2, the last ``m`` positions).
+    which derive from the query's sequence (a KV cache: the last ``m`` positions; docs/semantics.md,
+    Decode steps).
 
     NOTE: the key length is never specialised here: from the second decode step on dynamo makes
     it a symbol, and one graph then serves every later length (``ring_rewrite/decode.py``). Only

@@ -1,4 +1,5 @@
-"""Read the structure of a dense attention mask from the graph that builds it (SPEC §2, masks).
+"""Read the structure of a dense attention mask from the graph that builds it (docs/semantics.md,
+Masks).
 
 Models hand SDPA an ``(B|1, H|1, N, N)`` mask that they build in the captured graph from
 position comparisons and a padding vector (transformers 5.x, for every call with an
@@ -19,7 +20,7 @@ indices. The mask's expression, over ``(b, h, p, t)``, is then cut into its conj
 * one that does not read the query position ``p``: a **key mask** ``(B|1, H|1, 1, N)``, computed
   in the graph from the same tensors (O(B N); ``key_mask``);
 * a comparison of ``t - p`` with a constant: a **band** ``lo <= t - p <= hi``: ``hi = 0`` is
-  causal, ``lo = 1 - W`` a window of ``W`` (SPEC §2);
+  causal, ``lo = 1 - W`` a window of ``W``;
 * documents: ``f(b, t) <relation> f(b, p)`` (ids, chunks, block-causal), the band possibly on
   position values instead of indices (packed sequences);
 * one ``or``: causal OR a block (``g[t] == g[p] & g[p] >= 0``, or a prefix ``t < L``), which is

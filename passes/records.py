@@ -66,13 +66,14 @@ def leave_alone(
     """Record a site that stays as it is, or raise where that is not allowed.
 
     NOTE: in sharded mode a site left alone would attend within the local shard only: a
-    different function. So it is always an error there (SPEC §2), as with ``strict``.
+    different function. So it is always an error there, as with ``strict``
+    (docs/semantics.md, Sites left alone).
     """
     if config.strict or sharded(config):
         why = "" if config.strict else "sharded mode cannot leave it alone: "
         raise UnsupportedSiteError(f"ring_dilated: {what} at {location} cannot {fate}: {why}{reason}")
     # NOTE: logged, not warnings.warn: that shows a message once per process, and a site left
-    # alone must say so at every compile (SPEC §2).
+    # alone must say so at every compile.
     log.warning(
         "ring_dilated: %s at %s is left alone: it runs as written (plain attention, not dilated, "
         "not across ranks): %s. strict=True makes this an error.", what, location, reason,

@@ -1,4 +1,5 @@
-"""The pass: every supported SDPA site becomes dilated attention (SPEC §4).
+"""The pass: every supported SDPA site becomes dilated attention (docs/semantics.md, The
+rewritten graph).
 
 Before::
 
@@ -19,16 +20,16 @@ of ``ring_rewrite.attention``. Every inserted node carries ``meta["ring_rewrite"
 
 Note [Whole on every rank]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-What a site computes must not depend on P (SPEC §2). The ring needs every branch to fit the
-ranks' shards: a rate that divides each rank's part, a segment that divides a part or is a
-multiple of it. In sharded mode the shards are given, so a branch that does not fit is an
-error. In replicated mode the site first pads the sequence (up to ``_MAX_PADDING`` times its
-length, Note [Padding the sequence] in ``ring_rewrite/attention.py``); where no padding helps
-(segments of 100 with a rate of 1024, say), every rank holds the whole sequence anyway, so each
-computes the whole site as one rank would: the same function, with a warning at every compile
-and a note in the report, at P times the compute and O(N) memory per rank. No transfer, no
-gather: the ranks' results agree because their inputs do (with dropout, each rank draws its
-own mask).
+What a site computes must not depend on P (docs/semantics.md, Sites left alone). The ring
+needs every branch to fit the ranks' shards: a rate that divides each rank's part, a segment
+that divides a part or is a multiple of it. In sharded mode the shards are given, so a branch
+that does not fit is an error. In replicated mode the site first pads the sequence (up to
+``_MAX_PADDING`` times its length, Note [Padding the sequence] in ``ring_rewrite/attention.py``);
+where no padding helps (segments of 100 with a rate of 1024, say), every rank holds the whole
+sequence anyway, so each computes the whole site as one rank would: the same function, with a
+warning at every compile and a note in the report, at P times the compute and O(N) memory per
+rank. No transfer, no gather: the ranks' results agree because their inputs do (with dropout,
+each rank draws its own mask).
 
 Note [One body per plan]
 ~~~~~~~~~~~~~~~~~~~~~~~~

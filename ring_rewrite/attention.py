@@ -10,8 +10,8 @@ degenerate case, not a second code path.
 Note [Backward from the merged statistics]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The merged output is one softmax over the multiset of connected keys (a key connected by two
-branches counts twice, the ``log c`` bias of SPEC §2). With ``O`` and ``L`` that softmax's output
-and log-sum-exp, the fused attention backward run per block with ``(dO, O, L)`` computes
+branches counts twice, the ``log c`` bias of the dense form). With ``O`` and ``L`` that softmax's
+output and log-sum-exp, the fused attention backward run per block with ``(dO, O, L)`` computes
 ``dS = exp(s - L) * (dO·v - rowsum(dO * O))``: exactly the block's share of the gradient of the
 whole function, branch merge weights included. So backward saves only the local ``q, k, v, O, L``
 (O(N/P)), re-dilates them per branch and sends K/V around the ring again, with their dK/dV
@@ -115,7 +115,8 @@ shared) inductor fused the sum of every branch into one kernel per head chunk of
 branches, with the chunk's lattice offsets baked in: 3 C++ kernels a chunk, and every branch's
 gradients held until they ran (Note [Memory of a site] in ``report.py``). As calls the backward
 compiles no kernel per chunk, and a branch's gradients are freed once added. The forward's merge
-stays pointwise (SPEC §4): it weighs each branch's out by every branch's lse.
+stays pointwise (docs/semantics.md, The rewritten graph): it weighs each branch's out by every
+branch's lse.
 
 Note [Gradient sums of a ring step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -128,7 +129,7 @@ they were a concatenation with zeros, an add and a copy per step, each with the 
 branch baked in: a C++ kernel per ring branch and step kind, about 5 per ring branch, and most
 of the compile (``benchmarks/compile_cost.py --site``: 27 kernels at 16k tokens on 4 ranks, 15
 after). What the graph shows is the same: a block's gradients, then their sum (role
-``merge``), then the transfer. The forward's merges stay pointwise (SPEC §4).
+``merge``), then the transfer. The forward's merges stay pointwise.
 
 Note [Overlap across branches]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -144,7 +145,7 @@ In replicated mode the site chooses how to cut the sequence, so a length the ran
 share (``N`` not a multiple of ``P``, shards that are no multiple of a rate, segments that
 neither divide a shard nor are a multiple of it) is padded to the shortest ``N' > N`` that
 they can (``passes/rewrite_sdpa.py``, ``_plan``). Padding goes after the sequence, so
-every real position, and with it every segment and lattice of SPEC §2, stays where it was;
+every real position, and with it every segment and lattice, stays where it was;
 padded keys get a ``-inf`` bias (none is needed with ``is_causal``: they come after every real
 query), padded queries' rows are dropped from the output, and the gradients of the padding
 are dropped in the backward. The same function, exactly, at the cost of ``N' - N`` more tokens.
@@ -418,11 +419,11 @@ def _fields(layout) -> list[int]:
 def _undilate_add(
     plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False, start=0, zero=None
 ) -> torch.Tensor:  # fmt: skip
-    """``total`` with ``y``, a branch's dilated gradient (``_dilated``'s layout), added at its
-    rows, in place (Note [Gradient sums as calls]); where ``total`` is None, a new one of
-    ``y``'s heads in ``stat_dtype``, in which contributions add up (SPEC §5), or ``y`` itself
-    where its rows are the site's (rate 1, no padding, one segment or a ring's rows). ``y``'s
-    heads are ``total``'s from ``start`` on; with ``zero`` they are written, not added to."""
+    """``total`` with ``y``, a branch's dilated gradient (``_dilated``'s layout), added at its rows,
+    in place (Note [Gradient sums as calls]); where ``total`` is None, a new one of ``y``'s heads in
+    ``stat_dtype``, in which contributions add up (docs/semantics.md, Accuracy), or ``y`` itself
+    where its rows are the site's (rate 1, no padding, one segment or a ring's rows). ``y``'s heads
+    are ``total``'s from ``start`` on; with ``zero`` they are written, not added to."""
     if zero is None:
         zero = total is None
     heads = layout.hkv if kv else layout.hq

@@ -23,7 +23,7 @@ Compiler = Literal["inductor", "aot_eager", "eager"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingDilatedConfig:
-    """How every captured SDPA site is rewritten (SPEC §2, §3).
+    """How every captured SDPA site is rewritten (docs/semantics.md: The function, Sharding).
 
     The default is one branch ``(w = N, r = 1)``: plain exact attention.
     """
@@ -54,9 +54,9 @@ class RingDilatedConfig:
     """Raise instead of leaving an unsupported SDPA site alone."""
 
     timeout: float = 300.0
-    """Seconds any rank waits for one ring transfer (a call's opening header, twice that) before
-    it raises naming the site, branch, step, tag and peer ranks (SPEC §3, Faults). It must cover
-    a peer's compile: the backward compiles at the first ``.backward()`` while the other ranks
+    """Seconds any rank waits for one ring transfer (a call's opening header, twice that) before it
+    raises naming the site, branch, step, tag and peer ranks (docs/semantics.md, Faults). It must
+    cover a peer's compile: the backward compiles at the first ``.backward()`` while the other ranks
     wait. A ``datetime.timedelta`` is accepted."""
 
     disable_passes: tuple[str, ...] = ()
@@ -98,7 +98,7 @@ class RingDilatedConfig:
                 raise ValueError(f"branches repeat: segment_lengths={seg}, dilation_rates={rates}")
             if 1 not in rates:
                 # Head j's lattice in every branch holds position j; position j + 1 lies on no
-                # lattice unless some branch has rate 1 (SPEC §2).
+                # lattice unless some branch has rate 1.
                 raise ValueError(
                     f"dilation_rates={rates} has no rate 1: for each head, positions off every "
                     "branch's lattice would attend to nothing. Add a branch with rate 1."

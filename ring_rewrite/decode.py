@@ -1,7 +1,7 @@
 """Decode steps: the last rows of dilated attention, for a query shorter than its keys.
 
 With a KV cache, a model calls SDPA with ``q`` the newest ``m`` tokens and ``k, v`` the whole
-prefix of ``N`` (cache + new). SPEC §2: those queries are positions ``N - m .. N - 1`` and the
+prefix of ``N`` (cache + new). Those queries are positions ``N - m .. N - 1`` and the
 step computes exactly those rows of the site's function, so greedy generation equals
 recomputing the whole prefix at every step. Per branch ``(w, r)`` and query head ``j`` (offset
 ``o = j mod r``) query ``p`` reaches key ``t`` when ``p // w == t // w``, ``p ≡ t ≡ o (mod r)``

@@ -21,9 +21,10 @@ scores. A chunk's keep-mask comes from a generator seeded with a hash of the sit
 ``seed`` and the block's identifier (``block``: rank, branch, head chunk, ring step, block, then
 the row chunk): forward and backward draw it alike, and no two blocks of a call share a stream.
 A block's ``lse`` is that of its undropped scores, so merging by it drops probabilities of the
-merged softmax (SPEC §2): ``O = sum_t Z_t exp(s_t - L) v_t`` with ``Z_t = keep_t / (1 - p)``,
-whose expectation is the undropped ``O``. With ``P = exp(s - L)`` and ``O`` the merged (dropped)
-output, the backward is ``dS = P * (Z * dO·v - rowsum(dO * O))``, ``dV = (P * Z)^T dO``.
+merged softmax (docs/semantics.md, Dropout): ``O = sum_t Z_t exp(s_t - L) v_t`` with
+``Z_t = keep_t / (1 - p)``, whose expectation is the undropped ``O``. With ``P = exp(s - L)``
+and ``O`` the merged (dropped) output, the backward is
+``dS = P * (Z * dO·v - rowsum(dO * O))``, ``dV = (P * Z)^T dO``.
 
 Note [The CUDA entry's tests]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -119,7 +120,7 @@ def _cpu_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
 
 def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Blocks run in float32 for half inputs: on CPU the half kernels are no faster, and each
-    branch's result would otherwise be rounded before the merge (SPEC §5)."""
+    branch's result would otherwise be rounded before the merge (docs/semantics.md, Accuracy)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 

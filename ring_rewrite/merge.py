@@ -17,9 +17,9 @@ def merge_partials(
     """Merge attention results over disjoint (multi)sets of keys into the softmax over their union.
 
     ``outs[i] (..., L, Dv)`` and ``lses[i] (..., L)`` may hold ``-inf`` rows (no key). The merge
-    is ``L = logsumexp_i lse_i`` and ``O = sum_i exp(lse_i - L) * O_i`` (SPEC §2; the identity
-    ring-flash-attention's ``_update_out_and_lse`` applies pairwise), computed in float32 (or
-    float64, if an input is) as
+    is ``L = logsumexp_i lse_i`` and ``O = sum_i exp(lse_i - L) * O_i`` (docs/semantics.md, The
+    function; the identity ring-flash-attention's ``_update_out_and_lse`` applies pairwise),
+    computed in float32 (or float64, if an input is) as
     ``O = sum_i w_i O_i / sum_i w_i`` with ``w_i = exp(lse_i - max_i lse_i)``: the weights then
     sum to 1 exactly even where ``|L|`` is large and its float32 rounding is not. Rows where
     every ``lse_i`` is ``-inf`` give ``O = 0`` and ``L = -inf``.

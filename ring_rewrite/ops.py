@@ -13,8 +13,9 @@ and the block's identifier ``block`` fix (Note [Dropout in blocks] in ``kernels.
 ``block_attention_backward(dout, q, k, v, out, lse, bias, scale, is_causal[, dropout_p, seed,
 block])`` is the fused
 attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the softmax over every
-block the row attends to), it returns this block's exact share of the gradient (FINDINGS.md,
-"Kernels"); rows whose ``lse`` is ``+inf`` contribute nothing.
+block the row attends to), it returns this block's exact share of the gradient
+(Note [Backward from the merged statistics] in ``attention.py``); rows whose ``lse`` is
+``+inf`` contribute nothing.
 
 ``dilated_block_attention(out, lse, q, k, v, layout, scale, is_causal, write)`` is
 ``block_attention`` of a local branch's blocks, reading its rows where they lie in the site's
@@ -54,7 +55,8 @@ __all__ = [
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """What log-sum-exps, merges and gradient sums are kept in: float32, or the input's dtype
-    where that is wider (SPEC §5: float64 inputs get float64 accuracy at every P)."""
+    where that is wider (float64 inputs get float64 accuracy at every P: docs/semantics.md,
+    Accuracy)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -86,7 +88,7 @@ def _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block):
 
 
 BAND_CHUNK = 1 << 22
-"""Scores per chunk of query rows when a band is applied (Note [Bands in blocks])."""
+"""Scores per chunk of query rows when a band is applied (Note [Bands] in ``attention.py``)."""
 
 
 def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc):

@@ -10,9 +10,9 @@ overlaps, ``ring.wait(flight, after=that compute)`` after it, and ``rotater.all_
 index)``. Tags, tokens, the order of the messages and the lifetime of their buffers are the
 rotater's business, below, never the call sites'.
 
-Seen on torch 2.13 (FINDINGS.md): a P2P op whose result one rank does not use is dead-code
-eliminated on that rank only; inductor may order independent P2P calls differently on different
-ranks, and equal-shaped messages then pair up wrong without an error. So every op here
+On torch 2.13 a P2P op whose result one rank does not use is dead-code eliminated on that rank
+only; inductor may order independent P2P calls differently on different ranks, and equal-shaped
+messages then pair up wrong without an error. So every op here
 
 * is marked side-effectful (``torch.fx.node.has_side_effect``, which inductor honours too):
   never eliminated, even where a rank does not use what it received,
@@ -68,7 +68,7 @@ Why not torch's functional P2P (``_c10d_functional.batch_p2p_ops`` + ``wait_tens
 inductor knows keeps the sent buffer alive: its tags are graph constants (a shared body cannot
 name its site, a call cannot name itself), it carries no token, so the order of independent
 rings rests on inductor's own comm ordering, and its wait takes one tensor, so nothing pins it
-after the compute it should overlap (FINDINGS.md saw it placed before). Our ops keep all three
+after the compute it should overlap (inductor may place it before). Our ops keep all three
 and get the lifetimes from the rules above, checked at run time and in ``tests/``, which
 read inductor's generated code.
 

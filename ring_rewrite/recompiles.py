@@ -6,7 +6,8 @@ Note [Recompile limit]
 Past ``torch._dynamo.config.recompile_limit`` compiles of one function (8: eight sequence
 lengths, say; or ``accumulated_recompile_limit``), dynamo runs the call *uncompiled*: the
 original SDPA, a different function (undilated; in sharded mode, attention within the local
-shard), with one generic log line. SPEC §2: a call is rewritten or it raises.
+shard), with one generic log line. A call is rewritten or it raises (docs/semantics.md,
+Sites left alone).
 
 Dynamo's switch for that, ``config.fail_on_recompile_limit_hit``, is process-wide, and torch
 2.13 offers no per-backend one: a backend is not called on a cache miss past the limit, and its

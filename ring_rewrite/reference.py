@@ -1,5 +1,5 @@
-"""Dense float64 reference of SPEC §2 (the log-count bias form). Slow and O(N^2): for tests and the
-training demo's first-step check."""
+"""Dense float64 reference of the function attention computes (docs/semantics.md, The function:
+the log-count bias form). Slow and O(N^2): for tests and the training demo's first-step check."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def reference_attention(
     key_bias: torch.Tensor | None = None,
     query_chunk: int | None = None,
 ) -> torch.Tensor:
-    """Dilated attention of SPEC §2 in float64, differentiable; returns float64.
+    """Dilated attention (the log-count bias form) in float64, differentiable; returns float64.
 
     ``q (B, Hq, N, D)``, ``k (B, Hkv, N, D)``, ``v (B, Hkv, N, Dv)``; ``key_bias`` is an
     additive bias (or a bool keep-mask) broadcast to ``(B, Hq, 1, N)``. With no segment lengths
@@ -127,7 +127,7 @@ def _attend_rows(q, k, v, key_bias, *, start, stop, branches, is_causal, scale) 
     counts = _counts(start, stop, keys, hq, branches, is_causal=is_causal, device=q.device)
     # Keys no query of the chunk connects to (for any head) only add exp(-inf) = 0: drop them.
     used = (counts.amax(dim=(0, 1)) > 0).nonzero().squeeze(1)
-    if used.numel() == 0:  # no query of the chunk attends to anything: zeros (SPEC §2)
+    if used.numel() == 0:  # no query of the chunk attends to anything: zeros
         return q.new_zeros(b, hq, stop - start, v.shape[-1])
     if key_bias is not None and key_bias.shape[-1] == n:
         key_bias = key_bias[..., used]

@@ -1,4 +1,5 @@
-"""Role tags for the nodes a rewrite inserts (``node.meta["ring_rewrite"]``, SPEC §4).
+"""Role tags for the nodes a rewrite inserts (``node.meta["ring_rewrite"]``;
+docs/semantics.md, The rewritten graph).
 
 The math modules mark what each stretch of code is (``with role("dilate", branch=0): ...``);
 the tracer in ``ring_rewrite.passes`` stamps the current tag on every node it records. Outside a trace the

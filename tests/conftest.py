@@ -9,7 +9,7 @@ import ring_rewrite  # noqa: F401  (registers the backend and the custom ops)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max-abs error / max-abs value, the measure of SPEC §5."""
+    """max-abs error / max-abs value, the measure of docs/semantics.md, Accuracy."""
     expected = expected.double()
     scale = expected.abs().max().clamp_min(1e-30)
     return ((actual.double() - expected).abs().max() / scale).item()

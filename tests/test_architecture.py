@@ -1,11 +1,16 @@
 """Imports go one way (docs/architecture.md): runtime <- passes <- front.
 
 Read from the source, every import statement (also those inside functions).
+
+And the project's docs are its own: every Note the code or the docs point to is written in the
+repository, and nothing cites a contract kept outside it (docs/semantics.md is the contract).
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -94,3 +99,77 @@ def test_every_package_installs_and_the_passes_under_the_project_namespace():
     listed = text.split("\npackages = ")[1].split("\n")[0]
     packages = {m for m, (_, path) in MODULES.items() if path.name == "__init__.py"}
     assert {p.strip(' "') for p in listed.strip("[]").split(",")} == packages
+
+
+# ---- the docs are the project's own ----------------------------------------------------------
+
+
+def _project_files() -> list[Path]:
+    """Every file git tracks or would track (untracked ones that are not ignored); outside a git
+    checkout, every file under the project's folders."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT, capture_output=True, check=True,
+        ).stdout.decode()  # fmt: skip
+        paths = [ROOT / name for name in listed.split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):
+        tops = ("ring_rewrite", "passes", "tests", "examples", "benchmarks", "docs")
+        paths = [p for top in tops for p in (ROOT / top).rglob("*")] + list(ROOT.glob("*.md"))
+        paths = [p for p in paths if "__pycache__" not in p.parts]
+    return sorted(p for p in paths if p.is_file())
+
+
+FILES = _project_files()
+SOURCES = [p for p in FILES if p.suffix in (".py", ".md", ".c")]
+
+# A Note is written as its title line, then a line of tildes, in a docstring, a markdown file or
+# behind a comment marker (``#``, ``//``, `` * ``):
+#
+#     # Note [Positions in sharded mode]
+#     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+_MARKER = r"[ \t]*(?:(?:#|//|\*)[ \t]*)?"
+_DEFINITION = re.compile(rf"^{_MARKER}Note \[([^\]\n]+)\][ \t]*\n{_MARKER}~~~+[ \t]*$", re.MULTILINE)
+# A reference may wrap over lines, behind comment markers or the tree drawing of
+# docs/architecture.md; joined, it reads "Note" then its title in brackets.
+_LINE_START = re.compile(r"\n[ \t]*(?:(?:#|//|\*|>|[│├└])[ \t]*)*")
+_REFERENCE = re.compile(r"\bNote\s+\[([^\]]+)\]")
+
+
+def _notes_defined() -> dict[str, list[str]]:
+    defined: dict[str, list[str]] = {}
+    for path in SOURCES:
+        for match in _DEFINITION.finditer(path.read_text()):
+            defined.setdefault(match.group(1), []).append(str(path.relative_to(ROOT)))
+    return defined
+
+
+def test_every_note_is_defined_once():
+    twice = {name: where for name, where in _notes_defined().items() if len(where) > 1}
+    assert not twice, f"Notes written more than once: {twice}"
+
+
+def test_every_note_referred_to_is_defined():
+    defined = _notes_defined()
+    dangling = []
+    for path in SOURCES:
+        joined = _LINE_START.sub(" ", path.read_text())
+        for match in _REFERENCE.finditer(joined):
+            name = " ".join(match.group(1).split())
+            if name not in defined:
+                dangling.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not dangling, "Notes referred to but written nowhere:\n" + "\n".join(sorted(set(dangling)))
+
+
+# Spelled in pieces so that this file does not match itself.
+_OUTSIDE = ("../" + "shared", "SPEC" + " §", "SPEC" + ".md", "FINDINGS" + ".md")
+
+
+def test_nothing_cites_a_contract_outside_the_repository():
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in FILES
+        for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1)
+        if any(text in line for text in _OUTSIDE)
+    ]
+    assert not found, "cite docs/semantics.md instead:\n" + "\n".join(found)

@@ -178,8 +178,8 @@ def test_graphs_logged_through_torch_logs():
 
 @pytest.mark.parametrize("sharding", ["replicated", "sharded"])
 def test_recompile_limit_raises_instead_of_running_unrewritten(sharding):
-    # Past dynamo's limit a function would run uncompiled: plain SDPA (SPEC §2: it raises), for
-    # our frames only (Note [Recompile limit]).
+    # Past dynamo's limit a function would run uncompiled: plain SDPA (docs/semantics.md, Sites
+    # left alone: it raises), for our frames only (Note [Recompile limit]).
     from torch._dynamo.testing import CompileCounter
 
     def lengths(fn, *ns):

@@ -1,5 +1,6 @@
-"""Self or cross attention, decided by the graph's data flow, not by equal lengths (SPEC §2;
-Note [Self or cross attention] in ``passes/find_sdpa.py``)."""
+"""Self or cross attention, decided by the graph's data flow, not by equal lengths
+(docs/semantics.md, Self and cross attention; Note [Self or cross attention] in
+``passes/find_sdpa.py``)."""
 
 from __future__ import annotations
 

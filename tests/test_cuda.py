@@ -1,4 +1,5 @@
-"""The CUDA block kernel (``ring_rewrite/kernels.py``) end to end on one GPU, SPEC §5.
+"""The CUDA block kernel (``ring_rewrite/kernels.py``) end to end on one GPU (docs/semantics.md,
+Accuracy).
 
 ``test_numerics.py``'s checks, cut to what the CUDA entry changes, with the inputs on
 ``cuda`` at P = 1 (one GPU runs no ring of processes). The float64 reference runs on the CPU.
@@ -71,7 +72,7 @@ def test_key_padding_mask(compiler, config, kind, request):
 
 def _sdpa_same_function(config, q, k, v, dout, *, is_causal):
     """``(out, (dq, dk, dv))`` of plain SDPA in the inputs' dtype on their device, computing the
-    function of ``config`` (SPEC §2's dense form, as ``_same_function_sdpa`` in test_numerics.py).
+    function of ``config`` (the dense form, as ``_same_function_sdpa`` in test_numerics.py).
 
     CUDA's fused kernels take an additive mask only in the inputs' dtype, where ``log c`` would be
     rounded (log 2 to 0.691 in bf16) and the baseline made worse. So each branch gets its own copy
@@ -102,8 +103,9 @@ def _sdpa_same_function(config, q, k, v, dout, *, is_causal):
 @pytest.mark.parametrize("config", [CONFIGS["exact"], CONFIGS["longnet"]], ids=["exact", "longnet"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_no_worse_than_sdpa(dtype, config, is_causal, request):
-    """SPEC §5: in bf16 / fp16, error vs the float64 reference <= 2x that of SDPA in the same
-    dtype on the GPU computing the same function on the same inputs, output and gradients."""
+    """In bf16 / fp16, error vs the float64 reference <= 2x that of SDPA in the same dtype on the
+    GPU computing the same function on the same inputs, output and gradients (docs/semantics.md,
+    Accuracy)."""
     batch, hq, hkv, n, d = 2, 4, 2, 100, 16
     q, k, v = _inputs(batch, hq, hkv, n, d, d, dtype=dtype)
     dout = torch.randn(batch, hq, n, d, dtype=dtype)

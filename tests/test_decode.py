@@ -1,6 +1,6 @@
-"""Decode steps (SPEC §2, KV cache): a query shorter than its keys computes the last rows of the
-site's function, one graph for every cache length, so that greedy generation equals recomputing
-the dilated model on the whole prefix."""
+"""Decode steps (docs/semantics.md, Decode steps): a query shorter than its keys computes the last
+rows of the site's function, one graph for every cache length, so that greedy generation equals
+recomputing the dilated model on the whole prefix."""
 
 from __future__ import annotations
 

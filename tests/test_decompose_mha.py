@@ -118,7 +118,7 @@ def _mha_case(case: str, batch_first: bool):
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("case", ["self", "cross", "split", "separate", "no_bias", "causal"])
 def test_mha_matches_eager(case, batch_first):
-    """m(x, x, x) is rewritten; m(x, y, y) is cross attention at equal lengths (SPEC §2): decomposed,
+    """m(x, x, x) is rewritten; m(x, y, y) is cross attention at equal lengths: decomposed,
     then left alone."""
     kwargs, inputs, run = _mha_case(case, batch_first)
     model = nn.MultiheadAttention(E, H, batch_first=batch_first, **kwargs)
@@ -388,7 +388,7 @@ def test_strict_raises_on_unsupported_module():
 
 
 def test_sharded_mode_refuses_to_leave_a_module_alone():
-    """Sharded, a module left alone would attend within the local shard only (SPEC §2)."""
+    """Sharded, a module left alone would attend within the local shard only."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -408,7 +408,7 @@ def test_sharded_mode_refuses_to_leave_a_module_alone():
 
 
 def _reference_mha(m: nn.MultiheadAttention, x: torch.Tensor, **config) -> torch.Tensor:
-    """Batch-first MHA in float64 whose attention is ``reference_attention`` (SPEC §2)."""
+    """Batch-first MHA in float64 whose attention is ``reference_attention``."""
     b, n, e = x.shape
     q, k, v = F.linear(x.double(), m.in_proj_weight, m.in_proj_bias).chunk(3, dim=-1)
     heads = lambda t: t.view(b, n, m.num_heads, e // m.num_heads).transpose(1, 2)  # noqa: E731

@@ -1,4 +1,5 @@
-"""``BranchLayout``: the dilation gathers checked against the lattice of SPEC §2, built with loops.
+"""``BranchLayout``: the dilation gathers checked against the lattice, built with loops
+(docs/semantics.md, The function).
 
 Branch ``(w, r)``: query head ``j`` holds position ``p`` iff ``p % r == j % r``; segment ``s``
 holds the positions with ``p // w == s`` (one segment when ``w >= n``). In kernel layout, batch
@@ -38,7 +39,7 @@ def _layout(params) -> BranchLayout:
 
 
 def _segments(w: int, n: int) -> list[list[int]]:
-    """Positions of each segment (SPEC §2: same segment iff ``p // w == t // w``)."""
+    """Positions of each segment (same segment iff ``p // w == t // w``)."""
     nseg = 1 if w >= n else -(-n // w)
     return [[p for p in range(n) if (p // w if w < n else 0) == s] for s in range(nseg)]
 

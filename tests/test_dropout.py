@@ -1,4 +1,5 @@
-"""Dropout inside rewritten attention (SPEC §2; Note [Dropout in blocks] in kernels.py).
+"""Dropout inside rewritten attention (docs/semantics.md, Dropout; Note [Dropout in blocks]
+in kernels.py).
 
 Each call drops probabilities of the merged softmax: with ``c`` the branches that connect query
 ``p`` to key ``t``, each of the ``c`` entries is kept with probability ``1 - p`` and scaled by

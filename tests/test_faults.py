@@ -1,5 +1,5 @@
-"""Faults on gloo ranks (SPEC §3, Faults): every fault is an error that names itself within its
-deadline, on every rank, and the ranks then run the next step correctly.
+"""Faults on gloo ranks (docs/semantics.md, Faults): every fault is an error that names itself
+within its deadline, on every rank, and the ranks then run the next step correctly.
 
 One spawn of 3 ranks runs the scenarios in turn. A training step calls two compiled variants of
 one site (causal, then not) and runs the backward; after each fault every rank runs a healthy

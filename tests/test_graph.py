@@ -1,4 +1,5 @@
-"""Graph shape of the rewrite: what replaces an SDPA node, and what is left alone (SPEC §4)."""
+"""Graph shape of the rewrite: what replaces an SDPA node, and what is left alone
+(docs/semantics.md, The rewritten graph)."""
 
 from __future__ import annotations
 
@@ -267,7 +268,7 @@ class _DropoutInTraining(torch.nn.Module):
 
 
 def test_dropout_in_training_and_eval_both_rewritten():
-    """SPEC §2: what is supported does not depend on training vs eval. Training draws a seed per
+    """What is supported does not depend on training vs eval. Training draws a seed per
     call (role "dropout") that every block call and its backward take."""
     model = _DropoutInTraining()
     with _logged() as records:

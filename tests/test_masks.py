@@ -1,5 +1,5 @@
-"""Dense masks read from the graph that builds them (passes/masks.py, SPEC §2 masks): which
-structure each construction has, that the dense construction is gone, and the numerics at
+"""Dense masks read from the graph that builds them (passes/masks.py; docs/semantics.md, Masks):
+which structure each construction has, that the dense construction is gone, and the numerics at
 P = 1, 2, 4 against the float64 reference given the same dense mask."""
 
 from __future__ import annotations

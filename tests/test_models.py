@@ -1,8 +1,8 @@
 """Whole models through the backend: a GQA GPT block, MultiheadAttention, TransformerEncoderLayer.
 
-Numerics against the float64 reference of SPEC §2 (the same model in float64 with its attention
+Numerics against the float64 reference (the same model in float64 with its attention
 replaced by ``reference_attention``) at P = 1, and against the single-process results on 2 gloo
-ranks in replicated and sharded mode (SPEC §3, §5).
+ranks in replicated and sharded mode (docs/semantics.md, Sharding and Accuracy).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ring_rewrite import reference_attention
 from conftest import rel_err
 from ranks import run_ranks
 
-BOUND = 1e-5  # float32 vs float64 reference, SPEC §5
+BOUND = 1e-5  # float32 vs float64 reference (docs/semantics.md, Accuracy)
 B, E = 2, 32
 LONGNET = {"segment_lengths": [16, 32, 64], "dilation_rates": [1, 2, 4]}
 RING_DILATED = {"segment_lengths": [16, 64], "dilation_rates": [1, 2]}

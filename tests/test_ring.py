@@ -1,4 +1,5 @@
-"""The ring across gloo ranks: numerics against the float64 reference (SPEC §3, §5)."""
+"""The ring across gloo ranks: numerics against the float64 reference (docs/semantics.md,
+Accuracy)."""
 
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ def test_ring_in_head_chunks_matches_reference(world, cases, chunk_bytes, monkey
 
 
 def _float64(rank, world):
-    """SPEC §5: float64 inputs give float64 accuracy at every P (merges and gradient sums in
+    """Float64 inputs give float64 accuracy at every P (merges and gradient sums in
     float64, ``ops.stat_dtype``)."""
     import ring_rewrite
     from ring_rewrite.reference import reference_attention

@@ -1,6 +1,6 @@
 """The ring's graphs on every rank, compiled one rank at a time with the fake process group.
 
-What must hold for the ring not to hang or silently mis-pair messages (FINDINGS.md): every rank
+What must hold for the ring not to hang or silently mis-pair messages: every rank
 issues the same transfers in the same order, forward and backward, even where its causal blocks
 skip compute (no transfer is dead-code eliminated on one rank only), and each transfer is issued
 before the compute it overlaps.

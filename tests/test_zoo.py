@@ -362,7 +362,7 @@ def _compiled(name: str, **config: Any) -> tuple[tuple[torch.Tensor, dict[str, t
 
 
 def _reference_sdpa(config: dict[str, Any], calls: list[int], plain: tuple[int, ...]) -> Callable:
-    """``F.scaled_dot_product_attention`` replaced by the float64 reference of SPEC §2 under
+    """``F.scaled_dot_product_attention`` replaced by the float64 reference under
     ``config``, cast back to the input's dtype (the dense mask, bool or float, is its key bias);
     plain attention (the reference's exact config) at the calls ``plain`` names."""
 

@@ -13,7 +13,7 @@ diff them, and assert on the result::
     assert_rewritten(cap, 2)  # fails with the report table when an upgrade stops rewriting
     assert_expected_graph(cap.after[0], "expected/block.txt")  # RING_REWRITE_ACCEPT=1 refreshes
 
-What each piece looks at (SPEC §4):
+What each piece looks at (docs/semantics.md, The rewritten graph):
 
 * ``capture``: the dynamo graphs before and after the passes, the site records, and with
   ``aot=True`` the AOT forward / backward graphs that inductor would receive.

@@ -81,7 +81,7 @@ class GraphDiff:
 
     Nodes are matched by graph, module, name and op (placeholders and outputs are interfaces,
     not counted). A node the passes inserted carries ``meta["ring_rewrite"]`` with its site and
-    role: ``untagged`` lists added nodes that do not (SPEC §4 says none should).
+    role: ``untagged`` lists added nodes that do not (there should be none).
     """
 
     removed: list[NodeInfo]

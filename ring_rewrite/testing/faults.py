@@ -1,5 +1,5 @@
 """Fault injection for tests of a distributed model: make this rank's block attention fail,
-stall or exit where the ring is in the middle of its transfers (SPEC §3, Faults)."""
+stall or exit where the ring is in the middle of its transfers (docs/semantics.md, Faults)."""
 
 from __future__ import annotations
 
