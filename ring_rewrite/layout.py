@@ -185,7 +185,7 @@ def shard_batch(
     if isinstance(labels, torch.Tensor):
         if shift_labels:
             after = labels[:, 1:]
-            out["shift_labels"] = torch.cat([after, after.new_full((b, 1), ignore_index)], 1)
+            out["shift_labels"] = torch.cat([after, after.new_full((after.shape[0], 1), ignore_index)], 1)
         read = out["shift_labels"] if shift_labels else labels
         out["num_items_in_batch"] = (read != ignore_index).sum()
     for key, value in out.items():
