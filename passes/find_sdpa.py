@@ -519,14 +519,6 @@ def _ints(values) -> tuple[int, ...]:
     return tuple(guard_int(v) if isinstance(v, torch.SymInt) else int(v) for v in values)
 
 
-def getitem_users(node: fx.Node) -> dict[int, list[fx.Node]]:
-    users: dict[int, list[fx.Node]] = {}
-    for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem:
-            users.setdefault(user.args[1], []).append(user)
-    return users
-
-
 # Note [Positions in sharded mode]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # In sharded mode each rank's graph sees its own N / P tokens, but positions are global. A query
