@@ -42,6 +42,39 @@ It serves float32 blocks without a bias (``serves``): causal or full, which is e
 a site without a key mask, padding or band. The rest (float64, a bias) runs aten's kernel, as
 does everything where no C compiler builds the library (a warning says why, once).
 
+Note [Non-finite values]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A NaN or inf in q, k, v or a float mask reaches what it reaches in the function evaluated pair by
+pair in float64 (docs/semantics.md, The function; ``tests/test_nonfinite.py``), forward and
+backward, and nothing else. A row with a NaN or ``+inf`` score (a NaN anywhere in its q or in a
+key it attends to; an inf in either, with a ``+inf`` product) is NaN, and so is its lse; a key
+whose score is ``-inf`` drops out of that row, whose gradient ``dq`` then takes ``0 * inf``, NaN;
+a value's NaN or inf reaches the rows that attend to it. Backward, a row whose lse is NaN has
+P = NaN on every key it attends to: its dq, and the dk and dv of those keys, are NaN. Pairs that
+are not connected (past the diagonal, another segment or lattice, a mask's ``-inf``, a row with
+nothing to attend) pass nothing on, even where a plain product would multiply their 0 by a NaN
+or inf. Where each path makes it so:
+
+* ``flash_cpu.c``: a row whose sum is NaN reports lse NaN (not ``-inf``, which merges would take
+  as a row holding nothing and the backward as a row with nothing to attend), and its in-place
+  merge keeps a NaN on either side. Its products skip the pairs past the diagonal whose other
+  factor is not finite, each checked once a tile: forward ``P V`` (value rows), backward ``dS K``
+  (key rows, zeroed in the tile and added to the rows that see them) and ``dS^T Q`` (the q of a
+  row whose lse is NaN taken as 0: its dS is NaN wherever it sees a key). Finite inputs pay one
+  check of each key tile's rows.
+* aten's kernel (float64, a bias, or no C compiler) multiplies within a block, which would reach
+  rows before a NaN under ``is_causal`` and rows with nothing to attend. So a block whose inputs
+  are not all finite (one sum each tells) runs ``kernels.nonfinite_forward`` /
+  ``nonfinite_backward`` instead: the same attention in torch, in row chunks, each product over
+  the connected pairs only (``kernels._pairs_product``).
+* Merges (``merge.py``, the ring's) keep a NaN lse (``torch.maximum`` propagates it), and the
+  ring's dK/dV and dq sums are plain adds.
+
+``reference_attention`` multiplies dense matrices, so its backward (and its forward, for an inf
+in ``v``) also reaches pairs that are not connected (``0 * inf``; softmax's NaN over a row's
+``-inf`` entries), as SDPA's math kernel does and its flash kernel within a block; and it marks
+a row attending to a NaN value NaN whole, its gradients 0. Where a pair is connected they agree.
+
 The library is built with the C compiler inductor's CPU code needs anyway (``$CC``, else
 ``cc``), about a second, into ``ring_rewrite/`` under inductor's cache directory, named by
 a hash of the source, the flags and this machine's CPU flags (``-march=native``); ranks

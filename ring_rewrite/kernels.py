@@ -29,8 +29,8 @@ and ``O`` the merged (dropped) output, the backward is
 Note [The CUDA entry's tests]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 It runs torch's memory-efficient attention, the CUDA kernel that takes an additive bias and
-returns the log-sum-exp. ``tests/test_cuda.py`` ran on one NVIDIA H200 with torch 2.11.0+cu130
-on 2026-11-26, its 52 tests all passing: float32 under inductor and aot_eager (exact, LongNet and
+returns the log-sum-exp. ``tests/test_cuda.py`` passed on one NVIDIA H200 with torch
+2.11.0+cu130, its 52 tests: float32 under inductor and aot_eager (exact, LongNet and
 rate-8 configs; MHA, GQA, d != dv with a scale; causal or not) within 1e-5 of the float64
 reference (1.7e-6 at most); key-padding masks, a fully masked batch row giving exactly 0; bf16
 and fp16 within 2x of the error of SDPA in that dtype (1.6x at most, fp16 LongNet: each branch's
@@ -42,6 +42,7 @@ shapes on meta tensors there.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -88,6 +89,10 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
 def _cpu_forward(q, k, v, bias, scale, is_causal):
     if cpu_kernel.serves(q, k, v, bias=bias):
         return cpu_kernel.forward(q, k, v, scale, is_causal)
+    # A NaN or inf: aten's products would take it to pairs that do not attend (Note [Non-finite
+    # values] in cpu_kernel.py).
+    if q.shape[2] and k.shape[2] and not _finite(q, k, v, bias=bias):
+        return nonfinite_forward(q, k, v, bias, scale, is_causal)
     # NOTE: aten's CPU flash kernel needs one head size for q, k and v: the smaller gets zeros.
     dv, size = v.shape[-1], max(q.shape[-1], v.shape[-1])
     q, k, v = (_pad_last(_unit_stride(x), size) for x in (q, k, v))
@@ -100,6 +105,9 @@ def _cpu_forward(q, k, v, bias, scale, is_causal):
 def _cpu_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
     if cpu_kernel.serves(dout, q, k, v, out, lse, bias=bias):
         return cpu_kernel.backward(dout, q, k, v, out, lse, scale, is_causal)
+    # out too: its NaN rows may come from another block (Note [Non-finite values] in cpu_kernel.py).
+    if q.shape[2] and k.shape[2] and not _finite(dout, q, k, v, out, bias=bias, lse=lse):
+        return nonfinite_backward(dout, q, k, v, out, lse, bias, scale, is_causal)
     channels = (q.shape[-1], k.shape[-1], v.shape[-1])
     size = max(q.shape[-1], v.shape[-1])
     q, k, v, dout, out = (_pad_last(_unit_stride(x), size) for x in (q, k, v, dout, out))
@@ -122,6 +130,127 @@ def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Blocks run in float32 for half inputs: on CPU the half kernels are no faster, and each
     branch's result would otherwise be rounded before the merge (docs/semantics.md, Accuracy)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# ---- Non-finite values on aten's path (Note [Non-finite values] in cpu_kernel.py) ------------
+
+
+def _finite(*xs: torch.Tensor, bias: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> bool:
+    """Whether ``xs`` hold only finite values, ``bias`` no NaN or ``+inf`` (``-inf`` masks) and
+    ``lse`` no NaN (``-inf`` and ``+inf`` mark empty rows). A sum per tensor: finite values that
+    overflow it only send a block down the careful path, which computes the same."""
+    if not all(math.isfinite(float(x.sum())) for x in xs):
+        return False
+    if bias is not None and bias.numel() and not float(bias.max()) < math.inf:
+        return False
+    return lse is None or not bool(lse.isnan().any())
+
+
+NONFINITE_CHUNK = 1 << 22
+"""Scores, or terms of a non-finite row's products, per chunk on the careful path (16 MiB of
+float32)."""
+
+
+def _pairs(bias, is_causal: bool, r0: int, r1: int, keys: int, device) -> torch.Tensor | None:
+    """Which (query, key) pairs of rows ``[r0, r1)`` attend (None: all): on or before the
+    diagonal when causal, and where ``bias`` is not ``-inf`` (a mask ANDs with the
+    connectivity: docs/semantics.md, Masks)."""
+    keep = None
+    if bias is not None:
+        keep = (bias if bias.shape[-2] == 1 else bias[..., r0:r1, :]) != float("-inf")
+    if is_causal:
+        rows = torch.arange(r0, r1, device=device).unsqueeze(-1)
+        seen = torch.arange(keys, device=device) <= rows
+        keep = seen if keep is None else keep & seen
+    return keep
+
+
+def _pairs_product(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` over the pairs ``keep`` of ``a``'s last two dims only (None: all): a pair off
+    them adds nothing, also where a row of ``b`` holds a NaN or inf (a plain product adds
+    ``0 * inf``, NaN, to every row of ``a``). Those rows of ``b`` are added term by term."""
+    if keep is None:
+        return a @ b
+    a = a.masked_fill(~keep, 0.0)
+    good = torch.isfinite(b).all(-1, keepdim=True)
+    if bool(good.all()):
+        return a @ b
+    clean = b.masked_fill(~good, 0.0)
+    out = a @ clean
+    bad = (~good).flatten(0, -3).any(0).squeeze(-1).nonzero().squeeze(-1)  # in some (batch, head)
+    terms = max(1, a[..., :1].numel() * b.shape[-1])
+    for part in bad.split(max(1, NONFINITE_CHUNK // terms)):
+        ap = a.index_select(-1, part).unsqueeze(-1)  # (.., L, n, 1)
+        bp = (b.index_select(-2, part) - clean.index_select(-2, part)).unsqueeze(-3)  # (.., 1, n, C)
+        kp = keep.index_select(-1, part).unsqueeze(-1)
+        out = out + (ap * bp).masked_fill(~kp, 0.0).sum(-2)
+    return out
+
+
+def _per_query_head(x: torch.Tensor, hq: int, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def _careful_rows(q, keys: int) -> list[tuple[int, int]]:
+    rows = max(1, NONFINITE_CHUNK // max(1, q.shape[0] * q.shape[1] * keys))
+    return [(r0, min(r0 + rows, q.shape[2])) for r0 in range(0, q.shape[2], rows)]
+
+
+def _careful_scores(q, k, bias, scale, keep, r0, r1, dtype):
+    """Scores of rows ``[r0, r1)``, ``-inf`` off ``keep`` whatever q, k or the bias hold there."""
+    s = q[:, :, r0:r1].to(dtype) @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + (bias if bias.shape[-2] == 1 else bias[..., r0:r1, :]).to(dtype)
+    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def nonfinite_forward(q, k, v, bias, scale, is_causal):
+    """``(out, lse)`` of a block whose inputs hold a NaN or inf, each reaching what it reaches in
+    the float64 function, and nothing else (Note [Non-finite values] in cpu_kernel.py): a row is
+    NaN (its lse too) where a score is NaN or ``+inf``, and a value row's NaN or inf reaches only
+    the rows that attend to it."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    kx, vx = _per_query_head(k, q.shape[1], dtype), _per_query_head(v, q.shape[1], dtype)
+    outs, lses = [], []
+    for r0, r1 in _careful_rows(q, k.shape[2]):
+        keep = _pairs(bias, is_causal, r0, r1, k.shape[2], q.device)
+        s = _careful_scores(q, kx, bias, scale, keep, r0, r1, dtype)
+        top = s.amax(-1, keepdim=True)  # NaN if a score is; +inf makes the sum below NaN
+        top = top.masked_fill(top == float("-inf"), 0.0)  # a row that attends to nothing
+        lse = top + torch.log(torch.exp(s - top).sum(-1, keepdim=True))
+        prob = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0))
+        outs.append(_pairs_product(prob, vx, keep))
+        lses.append(lse.squeeze(-1))
+    return torch.cat(outs, 2).to(q.dtype), torch.cat(lses, 2)
+
+
+def nonfinite_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+    """``dq, dk, dv`` of a block as its kernel's backward gives them (the merged ``out`` and
+    ``lse``, ``+inf`` where a row has nothing to attend), where some input holds a NaN or inf:
+    a row whose lse is NaN has P = NaN on every key it attends to, and no product multiplies a
+    NaN or inf by the 0 of a pair that does not attend (a dead row's included)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    hq, hkv, keys = q.shape[1], k.shape[1], k.shape[2]
+    kx, vx = _per_query_head(k, hq, dtype), _per_query_head(v, hq, dtype)
+    dqs = []
+    dk = torch.zeros(kx.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(vx.shape, dtype=dtype, device=v.device)
+    for r0, r1 in _careful_rows(q, keys):
+        l = lse[:, :, r0:r1].to(dtype).unsqueeze(-1)
+        keep = _pairs(bias, is_causal, r0, r1, keys, q.device)
+        live = ~l.isinf()  # (B, Hq, rows, 1): a dead row attends to nothing
+        keep = live.expand(*live.shape[:-1], keys) if keep is None else keep & live
+        s = _careful_scores(q, kx, bias, scale, keep, r0, r1, dtype)
+        prob = torch.exp(s - l).masked_fill(~keep, 0.0)
+        do, qc = dout[:, :, r0:r1].to(dtype), q[:, :, r0:r1].to(dtype)
+        delta = (do * out[:, :, r0:r1].to(dtype)).sum(-1, keepdim=True)
+        ds = (prob * (do @ vx.transpose(-1, -2) - delta)).masked_fill(~keep, 0.0)
+        keep_t = keep.transpose(-1, -2)
+        dqs.append(_pairs_product(ds, kx, keep) * scale)
+        dk += _pairs_product(ds.transpose(-1, -2), qc, keep_t) * scale
+        dv += _pairs_product(prob.transpose(-1, -2), do, keep_t)
+    dq = torch.cat(dqs, 2)
+    return dq.to(q.dtype), _per_kv_head(dk, hkv).to(k.dtype), _per_kv_head(dv, hkv).to(v.dtype)
 
 
 # ---- CUDA: the memory-efficient kernel (Note [The CUDA entry's tests]) ----------------------

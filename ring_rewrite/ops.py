@@ -62,7 +62,7 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _empty_rows(bias: torch.Tensor, lse_shape: torch.Size, is_causal: bool) -> torch.Tensor:
     """Rows of ``lse_shape`` (B, H, L) whose every key is masked by ``bias`` (.., 1 or L, S)."""
-    live = bias > float("-inf")
+    live = bias != float("-inf")  # a NaN is no mask: it makes the rows that see it NaN
     if not is_causal:
         return ~live.any(-1).expand(lse_shape)
     # Causal, top-left: row i sees keys 0..i, so it is empty when no live key lies at or before i.

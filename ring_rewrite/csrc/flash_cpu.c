@@ -36,6 +36,12 @@
  * backward writes dq, dk, dv, or with `accumulate` adds to them (no two kv heads' rows may then
  * be the same). Causal is top-left: row i sees keys 0..i. A backward row whose lse is infinite
  * (nothing to attend) contributes nothing.
+ * A NaN or inf reaches what the rows that see it reach, as in the float64 reference, and nothing
+ * else (Note [Non-finite values] in cpu_kernel.py): a row with a NaN or +inf score is NaN, lse
+ * too (a merge keeps it NaN); backward, such a row's P is NaN on every key it sees. A product
+ * never multiplies a NaN or inf by the 0 of a pair that is not seen: forward P V skips the
+ * value rows past the diagonal that hold one, backward dS K the key rows, and dS^T Q takes the
+ * q of a NaN row as 0 (its dS is NaN wherever it sees a key). Each is checked per tile.
  */
 #include <math.h>
 #include <omp.h>
@@ -202,10 +208,14 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
                 for (int64_t c = 0; c < kb; c++)
 #pragma omp simd
                     for (int64_t r = 0; r < TQ; r++) hi[r] = st[c * TQ + r] > hi[r] ? st[c * TQ + r] : hi[r];
+                /* A row whose scores are all -inf so far (an inf in k times q's sign) holds nothing:
+                 * shifted by 0, not by -inf (-inf - -inf is NaN), its lse stays -inf. */
+                float shift[TQ];
+                for (int64_t r = 0; r < TQ; r++) shift[r] = hi[r] == -INFINITY ? 0.0f : hi[r];
                 for (int64_t c = 0; c < kb; c++)
 #pragma omp simd
                     for (int64_t r = 0; r < TQ; r++) {
-                        const float e = exp_neg(st[c * TQ + r] - hi[r]);
+                        const float e = exp_neg(st[c * TQ + r] - shift[r]);
                         st[c * TQ + r] = e;
                         tot[r] += e;
                     }
@@ -214,7 +224,7 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
                 float shrink[TQ];
 #pragma omp simd
                 for (int64_t r = 0; r < TQ; r++) {
-                    shrink[r] = exp_neg(mx[r] - hi[r]); /* mx = -inf: about 1e-38 of nothing */
+                    shrink[r] = exp_neg(mx[r] - shift[r]); /* mx = -inf: about 1e-38 of nothing */
                     sum[r] = sum[r] * shrink[r] + tot[r];
                     mx[r] = hi[r];
                 }
@@ -237,13 +247,17 @@ void rr_flash_forward(const float *q, const int64_t *qs, const float *k, const i
             }
             for (int64_t r = 0; r < tq; r++) {
                 float *o = out + at(os, nseg, b, h, m + r), *l = lse + at(ls, nseg, b, h, m + r);
-                const float got = sum[r] > 0.0f ? mx[r] + logf(sum[r]) : -INFINITY;
-                const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+                /* sum = 0, or mx = -inf: nothing seen, or only -inf scores (lse -inf, out 0). sum
+                 * NaN: a NaN or +inf score, so the row is NaN, lse too (not -inf: a merge, a
+                 * backward would read it as holding nothing). */
+                const float got = sum[r] > 0.0f ? mx[r] + logf(sum[r]) : sum[r] == 0.0f ? -INFINITY : NAN;
+                const float inv = got > -INFINITY ? 1.0f / sum[r] : got == -INFINITY ? 0.0f : NAN;
                 if (!merge || *l == -INFINITY) {
                     for (int64_t c = 0; c < Dv; c++) o[c] = acc[c * TQ + r] * inv;
                     *l = got;
-                } else if (got > -INFINITY) {
-                    /* Into what earlier branches left here: the softmax over both key sets. */
+                } else if (got > -INFINITY || isnan(got)) {
+                    /* Into what earlier branches left here: the softmax over both key sets (a NaN
+                     * on either side makes the row NaN). */
                     const float top = *l > got ? *l : got;
                     const float wo = expf(*l - top), wa = expf(got - top), total = wo + wa;
                     const float keep = wo / total, add = inv * wa / total;
@@ -267,11 +281,13 @@ struct grads {
 };
 
 /* Per thread: a key tile's K and V transposed (D x TK, Dv x TK; keys past the tile zero), K in
- * rows (D padded to VL), its dK and dV sums; a query tile's P and dP, then dS (TQ x TK), its q
- * scaled and its dO in rows (zero past the tile and where a row is dead), its dQ / scale; each
- * query row's rowsum(dO O) and lse, every row of a kv head's group. */
+ * rows (D padded to VL; a row holding a NaN or inf zero, its index in `bad`), its dK and dV sums;
+ * a query tile's P and dP, then dS (TQ x TK), its q scaled and its dO in rows (zero past the tile
+ * and where a row is dead; q zero where its lse is NaN), its dQ / scale; each query row's
+ * rowsum(dO O) and lse, every row of a kv head's group. */
 struct scratch {
     float *p, *dp, *kt, *vt, *kr, *dkt, *dvt, *qr, *dor, *dqr, *dsum, *lrow;
+    int64_t bad[TK], nbad;
 };
 
 static void scratch_alloc(struct scratch *w, const struct grads *a) {
@@ -311,6 +327,16 @@ static void key_tile(const struct grads *a, struct scratch *w, int64_t b, int64_
         memcpy(w->kr + c * Dp, kh + c * a->ks[2], sizeof(float) * D);
         memset(w->kr + c * Dp + D, 0, sizeof(float) * (Dp - D));
     }
+    /* dQ = dS K: a key's dS is 0 where a row does not see it (past the diagonal, or a dead row),
+     * and 0 times its NaN or inf would reach that row. Such keys (rare: checked, not assumed)
+     * leave K's rows and add to the rows that see them only (`pair`). */
+    w->nbad = 0;
+    if (!all_finite(w->kr, Dp, kb, D))
+        for (int64_t c = 0; c < kb; c++)
+            if (!all_finite(w->kr + c * Dp, Dp, 1, D)) {
+                w->bad[w->nbad++] = c;
+                memset(w->kr + c * Dp, 0, sizeof(float) * D);
+            }
     memset(w->dkt, 0, sizeof(float) * kb * Dp);
     memset(w->dvt, 0, sizeof(float) * kb * Dvp);
 }
@@ -324,9 +350,13 @@ static void pair(const struct grads *a, struct scratch *w, int64_t b, int64_t h,
     const float *qh = a->q + at(a->qs, a->nseg, b, h, m), *doh = a->dout + at(a->dos, a->nseg, b, h, m);
     const float *lrow = w->lrow + g * a->L + m, *dsum = w->dsum + g * a->L + m;
     float *p = w->p, *dp = w->dp, *qr = w->qr, *dor = w->dor;
+    int64_t lims[TQ]; /* keys of the tile each row sees */
     for (int64_t r = 0; r < TQ; r++) { /* rows past the tile or dead: zero, as are the pads */
         const int live = r < tq && !isinf(lrow[r]);
-        const int64_t nq = live ? D : 0, nd = live ? Dv : 0;
+        /* A row whose lse is NaN (a NaN or inf in its q, or in a key it sees) has P = NaN on every
+         * key it sees, whatever q holds: q zero, so that dK = dS^T Q does not take q's NaN or
+         * inf (times dS = 0) to keys past the diagonal. */
+        const int64_t nq = live && !isnan(lrow[r]) ? D : 0, nd = live ? Dv : 0;
         for (int64_t d = 0; d < nq; d++) qr[r * Dp + d] = a->scale * qh[r * a->qs[2] + d];
         if (live) memcpy(dor + r * Dvp, doh + r * a->dos[2], sizeof(float) * Dv);
         memset(qr + r * Dp + nq, 0, sizeof(float) * (Dp - nq));
@@ -338,6 +368,7 @@ static void pair(const struct grads *a, struct scratch *w, int64_t b, int64_t h,
         float *pr = p + r * TK, *dr = dp + r * TK;
         const int64_t lim = r >= tq || isinf(lrow[r]) ? 0 : seen(a->causal, m + r, n, kb);
         const float l = lim ? lrow[r] : 0.0f, ds = lim ? dsum[r] : 0.0f;
+        lims[r] = lim;
 #pragma omp simd
         for (int64_t c = 0; c < lim; c++) {
             const float e = exp_neg(pr[c] - l);
@@ -349,6 +380,15 @@ static void pair(const struct grads *a, struct scratch *w, int64_t b, int64_t h,
     product(kb, Dvp, TQ, p, 1, TK, dor, Dvp, w->dvt, Dvp, 1); /* dV += P^T dO */
     product(kb, Dp, TQ, dp, 1, TK, qr, Dp, w->dkt, Dp, 1);    /* dK += dS^T (scale Q) */
     product(TQ, Dp, kb, dp, TK, 1, w->kr, Dp, w->dqr, Dp, 0); /* dQ / scale = dS K */
+    if (w->nbad) { /* keys holding a NaN or inf, to the rows that see them (key_tile) */
+        const float *kh = a->k + at(a->ks, a->nseg, b, h / (a->Hq / a->Hkv), n);
+        for (int64_t j = 0; j < w->nbad; j++) {
+            const int64_t c = w->bad[j];
+            for (int64_t r = 0; r < tq; r++)
+                if (c < lims[r])
+                    for (int64_t d = 0; d < D; d++) w->dqr[r * Dp + d] += dp[r * TK + c] * kh[c * a->ks[2] + d];
+        }
+    }
     float *dqh = a->dq + at(a->dqs, a->nseg, b, h, m);
     for (int64_t r = 0; r < tq; r++) {
         float *row = dqh + r * a->dqs[2];
