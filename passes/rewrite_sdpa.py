@@ -61,7 +61,9 @@ from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.decode import decode_attention
 from ring_rewrite.layout import assemble
-from ring_rewrite.p2p import Rotater, check_agreement, checking_transfers, resolve_group, variant_hash
+from ring_rewrite.p2p import (
+    Rotater, check_agreement, checking_transfers, name_sites, resolve_group, ring_group, variant_hash,
+)  # fmt: skip
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
@@ -89,6 +91,9 @@ def rewrite_sdpa(
     """Rewrite every supported SDPA site of ``gm`` in place; records land in ``gm.meta``."""
     sites = records(gm)
     group, world, rank = resolve_group(config.group)
+    if world > 1:
+        code = graph_identity(gm.graph)  # before the rewrite: the user's graph
+        group = ring_group(group)  # the ring's traffic keeps off the user's group
     rewritten = 0
     bodies: dict = {}  # traced site bodies by plan (Note [One body per plan])
     for node in [site.node for site in find_sdpa_sites(gm)]:
@@ -136,17 +141,35 @@ def rewrite_sdpa(
             SiteRecord(index, site.location, "sdpa", site.shapes, reason=note, plan=plan, passes=passes)
         )
         rewritten += 1
-    if world > 1:
+    if world > 1 and sites:
         keys = [_agreement_key(r) for r in sites]
-        check_agreement(group, keys)
-        # Headers name the compiled variant (Note [Calls, deadlines and recovery], p2p.py).
-        variant = variant_hash(keys)
+        check_agreement(group, keys, config.timeout)
+        # Headers name the compiled graph (Note [Calls, deadlines and recovery], p2p.py).
+        variant = variant_hash([code, [r.location for r in sites]], keys)
+        name_sites(variant, {r.site: r.location for r in sites})
         for token in gm.graph.find_nodes(op="call_function", target=_SITE_TOKEN):
             token.update_arg(2, variant)
     if rewritten:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def graph_identity(graph: fx.Graph) -> list[str]:
+    """What the graph computes, as every rank traced it: its ops in order. Not its code, whose
+    placeholders (the symbols of dynamic sizes and strides) differ between ranks' shards, nor
+    ``str`` of a target, which may hold an address."""
+    return [
+        n.target if isinstance(n.target, str) else _qualified_name(n.target)
+        for n in graph.nodes if n.op not in ("placeholder", "output")
+    ]  # fmt: skip
+
+
+def _qualified_name(target) -> str:
+    try:
+        return fx.node._get_qualified_name(target)
+    except Exception:  # noqa: BLE001  (a callable without a module path: its name will do)
+        return getattr(target, "__qualname__", type(target).__qualname__)
 
 
 def _rewrite_decode(gm: fx.GraphModule, site: SdpaSite, index: int, config: RingDilatedConfig) -> None:

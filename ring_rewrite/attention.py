@@ -730,11 +730,14 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse] + [x for x in (mask, docs, rotater.token, seed) if x is not None]
+    saved = [q, k, v, out, lse]
     if plan.gathers:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
             out = _unpadded(plan, _gather(plan, rotater, out, 0, _probe(plan, qp)))
+    with role("p2p"):
+        rotater.close([out, lse])  # the forward's call ends; its token goes to the backward
+    saved += [x for x in (mask, docs, rotater.token, seed) if x is not None]
     return out, saved
 
 
@@ -1029,4 +1032,6 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         with role("shard"):
             for j, g in enumerate(grads):
                 grads[j] = _unpadded(plan, _gather(plan, rotater, g, 1 + j))
+    with role("p2p"):
+        rotater.close(grads)
     return (*grads, *(None for x in (mask, docs, token, seed) if x is not None))

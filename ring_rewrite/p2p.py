@@ -74,39 +74,80 @@ read inductor's generated code.
 
 Note [Calls, deadlines and recovery]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Every call of a site, forward and backward, opens with a *header*: one small all-gather over
-the group of ``(call number, site, forward/backward, variant, transfers left over)``
-(``site_token``, and ``resume_token`` at the start of the backward). The variant is a hash of
-every site of the compiled graph. Ranks that disagree (a call apart, one in the backward while
-another runs the forward, different compiled variants after a data-dependent branch) raise on
-every rank there, naming both sides, before any transfer of that call; their call numbers are
-then set equal again, so the next call can work. The call number (mod 64) is part of every
-message tag: a message a failed call left on the wire can never pair with a later call's.
+The promise: after any fault, every rank runs the same step, or every rank raises; never a call
+that pairs one rank's step with another's.
 
-Every wait has a deadline, ``RingDilatedConfig.timeout`` (a header twice that, since a peer may
-first wait out a transfer of its own). gloo's own ``wait(timeout)`` closes every connection of
-the group when it expires, so a transfer is waited for on one helper thread (``_Waiter``) while
-the calling thread waits on a deadline; past it, the call raises naming the site, branch, step,
-tag and peers, and the transfer stays *left over*, its buffers held (gloo may still write into
-them). The next header sees it and every rank recovers: they exchange what they started in the
-failed call, each completes its peers' half-done transfers (a recv nobody sent to gets zeros, a
-send nobody received is received and dropped), then waits for its own. After that nothing is
-pending and nothing stale is on the wire, and the call goes on. A header or gather that misses
-its deadline cannot be recovered (a collective half done leaves the group's collectives out of
-order): the group is marked broken and every later call raises at once, naming the first error.
+*Headers.* Every call of a site, forward and backward, opens with a header: one all-gather over
+the ring's group of eight int64 (``site_token``; ``resume_token`` at the start of the backward):
+the call's number in the group, its site, forward or backward, the graph's identity
+(``variant_hash``: a hash of the compiled graph's ops, where its sites are in the code, and
+their plans, so two different compiled functions never share one), the transfers this rank has
+left over and whether its last call closed. A compile's
+agreement on its plans (``check_agreement``) sends a header of the same size and layout, of
+another kind. So any two things the ring exchanges between calls pair up in gloo, and each rank
+reads what every other is doing: a rank that recompiled alone (grad mode, dtype,
+``requires_grad``, a length) is named by its peers, and names them, instead of a collective of
+another size aborting the process inside gloo.
+
+*Ranks out of step.* Headers that differ raise ``RingOutOfStep`` before any transfer of the
+call, naming each rank's call (its site, where it is in the code, its graph), except on the ranks
+that left the step the others are in. Each rank learns, from the calls every rank opened
+together and closed (``close_call``, the last op of a call; so every rank learns the same),
+which calls open a step (the first one, and every forward right after a backward), which close
+one (a backward right before an opening call) and which call follows which. When the last call
+opened together does not close a step, and some ranks' headers open a step where no call of
+theirs has ever followed that last one, those ranks left the step and began the next one (they
+raised between two calls, in a kernel, or skipped a backward): the others raise, and those
+ranks exchange headers again, waiting for the others to leave the step too. Otherwise every
+rank raises. A rank whose transfer missed its deadline says so at once (``_announce``): a header
+of its own kind, posted and not waited for, which its peers read at their next header and raise
+there (they finished that call, or gave up on it too), instead of waiting for it in vain; it
+reads the round at its own next header. Either way each rank's loop that catches the error and
+goes on runs the same next step on every rank. A call that completed on some ranks and failed
+on others stays completed there: their results are right (every transfer they made completed).
+When that call closes a step it is not announced: the ranks that completed it go on to the next
+step, and so does the rank that failed.
+
+What this cannot see or tell apart: a rank that left its step outside a transfer and then runs
+a collective of its own before its next call (its peers wait for it in a header, it waits for
+them in its collective, until the header's deadline); one compiled function called twice in a
+step with the same plans; two processes running the same code on different data.
+
+*Deadlines.* Every wait has one. A transfer waits ``RingDilatedConfig.timeout``. A header, and a
+compile's agreement, wait for every rank to arrive: twice that, and at least ``HEADER_TIMEOUT``
+(a peer may still compile, wait out a transfer of its own after a stall, or run the user's code
+between calls); a peer that never comes is an error then. gloo's own ``wait(timeout)`` closes
+every connection of the group when it expires, so a transfer is waited for on one helper thread
+(``_Waiter``) while the calling thread waits on a deadline; past it, the call raises naming the
+site, branch, step, tag and peers, and the transfer stays *left over*, its buffers held (gloo
+may still write into them).
+
+*Recovery.* The next header at which every rank opens a call sees what is left over, and every
+rank recovers: they exchange what they started since their last such header, each completes its
+peers' half-done transfers (a recv nobody sent to gets zeros, a send nobody received is received
+and dropped), then waits for its own. After that nothing is pending and nothing stale is on the
+wire. The call number (mod 64) is part of every message tag besides: a message a failed call
+left can never pair with a later call's. Only such a header is followed by collectives: a rank
+that announced a failed call may be in the user's code when its peers read its header. A header
+that misses its deadline cannot be recovered (a collective half done leaves the group's
+collectives out of order): the group is marked broken and every later call raises at once,
+naming the first error.
 
 Note [Group ranks]
 ~~~~~~~~~~~~~~~~~~
 A ring runs in one process group (``RingDilatedConfig.group``): WORLD, a ``new_group``, or one
-dimension of a DeviceMesh, such as ``cp`` of a ``(dp, cp)`` mesh. Everything here speaks that
-group's ranks: the plans (``SitePlan.rank``, ``BranchPlan.ring``), ``ring_shift_start``'s
-``send_to`` / ``recv_from``, the gathers and recovery. torch's ``P2POp`` takes a global rank, and
-``global_rank`` is the one translation: where a ``P2POp`` is built (``_p2p``), and where an error
-or the report names a rank. A tag needs no group in it: gloo keeps one context per process group,
-and a message matches only a receive posted in its own group (two groups over the same two ranks,
-the same tag, received in the other order: each got its own message). So two ``cp`` groups never
-cross, nor a rank's ring its ``dp`` collectives (FSDP, DDP); ``check_agreement``, the headers and
-the gathers are collectives of the ring's group only.
+dimension of a DeviceMesh, such as ``cp`` of a ``(dp, cp)`` mesh. Its traffic (headers,
+agreement, recovery, data) runs on a group of its own, ``ring_group``: the same ranks, made once
+per user group at the first compile (``new_group`` among its members), so that nothing of the
+ring can pair with a collective of the user's on their group, even after a fault left one of
+ours half done. Everything here speaks that group's ranks: the plans (``SitePlan.rank``,
+``BranchPlan.ring``), ``ring_shift_start``'s ``send_to`` / ``recv_from``, the gathers and
+recovery. torch's ``P2POp`` takes a global rank, and ``global_rank`` is the one translation:
+where a ``P2POp`` is built (``_p2p``), and where an error or the report names a rank. A tag needs
+no group in it: gloo keeps one context per process group, and a message matches only a receive
+posted in its own group (two groups over the same two ranks, the same tag, received in the other
+order: each got its own message). So two ``cp`` groups never cross, nor a rank's ring its ``dp``
+collectives (FSDP, DDP).
 """
 
 from __future__ import annotations
@@ -127,8 +168,8 @@ from torch._dynamo.utils import counters
 __all__ = [
     "Rotater", "Ring", "InFlight", "KV", "KV_BACK", "DKV", "transfer_tag", "checking_transfers",
     "inductor_lowering", "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
-    "resume_token", "resolve_group", "global_rank", "global_ranks", "check_agreement",
-    "variant_hash", "TransferTimeout", "RingOutOfStep", "MAX_BRANCHES",
+    "resume_token", "close_call", "resolve_group", "global_rank", "global_ranks", "check_agreement",
+    "variant_hash", "name_sites", "ring_group", "TransferTimeout", "RingOutOfStep", "MAX_BRANCHES",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -145,11 +186,52 @@ FORWARD, BACKWARD = 0, 1
 
 
 class TransferTimeout(RuntimeError):
-    """A ring transfer, header or gather did not finish within ``RingDilatedConfig.timeout``."""
+    """A ring transfer, a call's header or a gather did not finish within its deadline.
+
+    A ring step's send/recv or a gather past ``RingDilatedConfig.timeout`` seconds raises this on
+    the rank that waited, naming the site, branch, step (or gather), tag, call and the peer ranks
+    it sends to and receives from: a peer failed, stopped, or is out of step. The rank tells its
+    peers at once; the transfer is left over, and every rank completes it at the next call's
+    header, so the next call works. A header waits twice ``timeout`` and at least
+    ``HEADER_TIMEOUT`` (10 minutes); a header past its deadline cannot be recovered: the ring's
+    process group is marked broken, and every later call raises a ``RuntimeError`` at once,
+    naming this first error (Note [Calls, deadlines and recovery]). A ``RuntimeError``.
+
+    Example::
+
+        model = torch.compile(model, backend=ring_rewrite.backend(timeout=60))
+        try:
+            model(x).sum().backward()
+        except ring_rewrite.TransferTimeout:
+            pass  # every rank's next step is the same step, or raises
+
+    .. warning::
+        Tested over gloo on CPU only (``tests/test_faults.py``); NCCL has never run.
+    """
 
 
 class RingOutOfStep(RuntimeError):
-    """The ranks of a group entered different site calls (Note [Calls, deadlines and recovery])."""
+    """The ranks of a group entered different attention site calls.
+
+    Every call of a site, forward and backward, opens with a header every rank of the group
+    exchanges: call number, site, direction and the compiled graph's identity (Note [Calls,
+    deadlines and recovery]). When they differ (a rank skipped or repeated a call, raised between
+    calls and went on, took another compiled variant or function, recompiled alone), this is
+    raised before any transfer of the call, naming each rank's call and where its site is in the
+    code; ranks that already began the next step wait for the others instead of raising, so
+    that every rank's next step is the same step. A ``RuntimeError``; on a rank whose compile
+    found it, dynamo wraps it in ``BackendCompilerFailed``.
+
+    Example::
+
+        try:
+            model(x).sum().backward()
+        except ring_rewrite.RingOutOfStep as error:
+            print(error)  # "... rank 1: call 7, site 0 forward at model.py:40, graph variant 0x..."
+
+    .. warning::
+        Tested over gloo on CPU only (``tests/test_faults.py``); NCCL has never run.
+    """
 
 
 def checking_transfers() -> bool:
@@ -188,6 +270,14 @@ def _group(group_name: str) -> dist.ProcessGroup:
 _SITE, _CALL_ID, _GROUP_CALL, _TIMEOUT_MS, _VARIANT = range(5)
 _TOKEN_SIZE = 5
 
+# A header: int64 of one size for everything the ring exchanges between calls, so that any two
+# ranks' headers pair up in gloo and each rank reads the other's, whatever each was doing.
+_KIND, _H_CALL, _H_SITE, _H_DIRECTION, _H_VARIANT, _H_LEFTOVER, _H_CLOSED = range(7)
+_HEADER_SIZE = 8
+CALL, COMPILE, FAILED = 1, 2, 3
+"""Header kinds: a site call opens, a compile agrees on its plans (``check_agreement``), a call
+failed on this rank (``_announce``)."""
+
 
 @dataclasses.dataclass
 class _GroupState:
@@ -199,6 +289,59 @@ class _GroupState:
     """``(group call, tag) -> _Started`` of every transfer started since the last header."""
     broken: str | None = None
     """Why the group can no longer be used by the ring (a collective missed its deadline)."""
+    open: int | None = None
+    """The number of this rank's call that has not closed (``close_call``), if any."""
+    opening: tuple = ()
+    """Its key ``(site, direction, variant)``."""
+    posted: tuple | None = None
+    """The header ``_announce`` posted and this rank has not read yet."""
+    last: tuple | None = None
+    """The key ``(site, direction, variant)`` of the last call every rank opened together;
+    ``_UNSURE`` after a round whose headers differed."""
+    starts: set = dataclasses.field(default_factory=set)
+    """Keys that open a step: the first call, and each forward right after a backward."""
+    ends: set = dataclasses.field(default_factory=set)
+    """Keys that close a step: each call right before one that opens a step (backwards only,
+    once the group has run a backward)."""
+    follows: set = dataclasses.field(default_factory=set)
+    """``(key, next key)`` of every two calls seen one after the other."""
+    backwards: bool = False
+    """Whether the group ran a backward."""
+
+    def learn(self, key: tuple, closed: bool) -> None:
+        """Every rank opened ``key`` together: where steps begin and end (Note [Calls,
+        deadlines and recovery]). Learned from these rounds only, so the same on every rank,
+        and only from a call that every rank closed to the next."""
+        last = self.last
+        if last is None or (closed and last != _UNSURE):
+            if key[1] == FORWARD and (last is None or last[1] == BACKWARD):
+                self.starts.add(key)
+            if last is not None:
+                self.follows.add((last, key))
+                if key in self.starts and (last[1] == BACKWARD or not self.backwards):
+                    self.ends.add(last)
+        self.backwards |= key[1] == BACKWARD
+        self.last = key
+
+    def waiting(self, headers: torch.Tensor) -> list[int]:
+        """After headers that differ: the ranks that left the step every rank was in and began
+        the next one (they wait; the others raise), or ``[]`` when every rank must raise."""
+        kinds = headers[:, _KIND].tolist()
+        last = self.last
+        if COMPILE in kinds or last in (None, _UNSURE) or last in self.ends:
+            return []
+        keys = [_key(h) if kind == CALL else None for h, kind in zip(headers, kinds)]
+        early = [r for r, key in enumerate(keys) if key in self.starts and (last, key) not in self.follows]
+        if not early or len(early) == len(keys) or len({keys[r] for r in early}) > 1:
+            return []
+        return early
+
+
+_UNSURE = ()
+
+
+def _key(header: torch.Tensor) -> tuple[int, int, int]:
+    return tuple(int(header[i]) for i in (_H_SITE, _H_DIRECTION, _H_VARIANT))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,19 +359,27 @@ class _Started:
 
 _GROUPS: dict[str, _GroupState] = {}
 _CALL_IDS = iter(range(1, 2**62))
-_OPENED: set[tuple] = set()  # (group, variant, site, direction) of the calls this rank opened
-FIRST_CALL_TIMEOUT = 600.0
-"""Seconds the first header of a site and direction waits, at least (peers may compile)."""
+_SITE_NAMES: dict[tuple[int, int], str] = {}  # (variant, site) -> where the site is, for errors
+HEADER_TIMEOUT = 600.0
+"""Seconds a header and a compile's agreement wait for every rank to arrive, at least: a peer
+may still compile, wait out a transfer after a stall, or run the user's code between calls."""
 
 
 def _state(group_name: str) -> _GroupState:
     return _GROUPS.setdefault(group_name, _GroupState())
 
 
-def variant_hash(sites: list) -> int:
-    """A hash of a compiled graph's sites (their plans as every rank must agree on them), the
-    same on every rank: which compiled variant a header comes from."""
-    return zlib.crc32(repr(sites).encode()) & 0x7FFFFFFF
+def variant_hash(graph: list, sites: list) -> int:
+    """The identity of a compiled graph, the same on every rank: a hash of what it computes
+    (its ops, where its sites are in the code) and of its sites' plans. Two different functions
+    differ in it, so their calls never pair up (Note [Calls, deadlines and recovery])."""
+    return zlib.crc32(repr((graph, sites)).encode()) & 0x7FFFFFFF
+
+
+def name_sites(variant: int, names: dict[int, str]) -> None:
+    """Where each site of the graph ``variant`` is (``site -> location``), for errors."""
+    for site, name in names.items():
+        _SITE_NAMES[variant, site] = name
 
 
 @torch.library.custom_op("ring_rewrite::site_token", mutates_args=())
@@ -265,39 +416,37 @@ torch.fx.node.has_side_effect(torch.ops.ring_rewrite.site_token.default)
 torch.fx.node.has_side_effect(torch.ops.ring_rewrite.resume_token.default)
 
 
-def _open_call(group_name: str, site: int, direction: int, variant: int, timeout_ms: int):
-    state = _state(group_name)
-    what = f"site {site} ({('forward', 'backward')[direction]})"
+def _usable(state: _GroupState, what: str) -> None:
     if state.broken is not None:
         raise RuntimeError(
             f"ring_rewrite: {what}: the process group can no longer be used by the ring: "
             f"{state.broken}. Restart the job (or re-create the process group)."
         )
+
+
+def _open_call(group_name: str, site: int, direction: int, variant: int, timeout_ms: int):
+    state = _state(group_name)
+    what = f"site {site} ({('forward', 'backward')[direction]})"
+    _usable(state, what)
     group = _group(group_name)
     timeout = timeout_ms / 1000
-    leftover = [p for p in _PENDING.values() if p.group_name == group_name]
-    header = torch.tensor([state.call, site, direction, variant, len(leftover)])
-    # NOTE: a graph compiles at its first call, its backward at its first backward, each rank
-    # at its own speed: the first header of a site and direction waits for peers still compiling.
-    opened = (group_name, variant, site, direction) in _OPENED
-    deadline = 2 * timeout if opened else max(2 * timeout, FIRST_CALL_TIMEOUT)
-    headers = _all_gather(group, header, deadline, f"the header of {what}, call {state.call}", state)
-    _OPENED.add((group_name, variant, site, direction))
-    previous, state.started = state.started, {}
-    if int(headers[:, 4].sum()):
-        _recover(group, group_name, state, previous, leftover, timeout)
-    differ = [r for r in range(len(headers)) if not torch.equal(headers[r, :4], headers[0, :4])]
-    if differ:
-        state.call = int(headers[:, 0].max()) + 1
-        raise RingOutOfStep(
-            "ring_rewrite: the ranks are out of step: they entered different attention site calls "
-            "(a rank skipped or repeated a call, raised and went on, or runs another compiled "
-            "variant of the model): " + "; ".join(
-                f"rank {global_rank(group, r)}: {_header_text(header)}"
-                for r, header in enumerate(headers)
-            ) + ". No transfer of this call was made; the next call starts in step again."
-        )
-    call = state.call
+    key = (site, direction, variant)
+    deadline = max(2 * timeout, HEADER_TIMEOUT)
+    _settle(group, state, timeout)
+    while True:
+        leftover = [p for p in _PENDING.values() if p.group_name == group_name]
+        header = _header(state, CALL, site, direction, variant, len(leftover))
+        headers = _all_gather(group, header, deadline, f"the header of {what}, call {state.call}", state)
+        verdict = _round(group, state, header, headers, leftover, timeout)
+        if verdict is None:
+            break
+        if verdict == _WAIT:
+            log.warning("ring_rewrite: %s waits for the other ranks to leave the step they are in", what)
+            continue
+        raise verdict
+    state.learn(key, closed=bool((headers[:, _H_CLOSED] == 1).all()))
+    call = state.open = state.call
+    state.opening = key
     state.call += 1
     token = torch.empty((_TOKEN_SIZE,), dtype=torch.int64)
     token[_SITE], token[_CALL_ID], token[_GROUP_CALL] = site, next(_CALL_IDS), call
@@ -305,10 +454,123 @@ def _open_call(group_name: str, site: int, direction: int, variant: int, timeout
     return token
 
 
-def _header_text(header: torch.Tensor) -> str:
-    call, site, direction, variant, _ = header.tolist()
+_WAIT = object()
+
+
+def _round(group, state, header, headers, leftover, timeout):
+    """What one exchange of headers means for this rank: ``None`` (the call goes on),
+    ``_WAIT`` (exchange again) or the error to raise (Note [Calls, deadlines and recovery]).
+    Every rank reads the same headers the same way. Only a round of calls on every rank is
+    followed by collectives (recovery): a rank that announced a failed call reads the round
+    later, and may be in the user's code meanwhile."""
+    kinds = headers[:, _KIND]
+    if bool((kinds == CALL).all()):
+        if int(headers[:, _H_LEFTOVER].sum()):
+            _recover(group, group.group_name, state, state.started, leftover, timeout)
+        state.started = {}
+        if bool((headers[:, :_H_LEFTOVER] == headers[0, :_H_LEFTOVER]).all()):
+            return None
+    names = [_call_name(h) for h in headers]
+    waiting = state.waiting(headers)
+    state.call, state.last = int(headers[:, _H_CALL].max()) + 1, _UNSURE
+    me = dist.get_rank(group)
+    if int(header[_KIND]) == FAILED:
+        return None  # this rank raised when its call failed
+    if me in waiting:
+        return _WAIT
+    everyone = "; ".join(f"rank {global_rank(group, r)}: {n}" for r, n in enumerate(names))
+    if waiting or bool((kinds == FAILED).any()):
+        return RingOutOfStep(
+            "ring_rewrite: the ranks are out of step: a call failed on some ranks, or some began "
+            f"the next step while this rank goes on with the one they left ({everyone}). This "
+            "call is refused so that every rank starts the next step together."
+        )
+    return RingOutOfStep(
+        "ring_rewrite: the ranks are out of step: they entered different attention site calls "
+        "(a rank skipped or repeated a call, raised and went on, compiles a graph the others "
+        f"do not, or runs another compiled function or variant): {everyone}. No transfer of "
+        "this call was made; the next call starts in step again."
+    )
+
+
+def _announce(group_name: str) -> None:
+    """This rank's call failed (a transfer missed its deadline): post a header saying so, so
+    that peers that finished the call, or wait in the next one, raise there instead of waiting
+    for this rank in vain. Posted, not waited for: the peers may be in the user's code, and it
+    pairs with their next header; this rank reads it at its own (``_settle``). A call that ends
+    a step is not announced: its peers go on to the next step, and so does this rank."""
+    state = _state(group_name)
+    if state.posted is not None or state.open is None or state.opening in state.ends:
+        return
+    group = _group(group_name)
+    site, direction, variant = state.opening
+    leftover = [p for p in _PENDING.values() if p.group_name == group_name]
+    header = _header(state, FAILED, site, direction, variant, len(leftover))
+    header[_H_CALL] = state.open
+    out = [torch.empty_like(header) for _ in range(dist.get_world_size(group))]
+    try:
+        work = dist.all_gather(out, header, group=group, async_op=True)
+    except Exception as error:  # noqa: BLE001  (the group is gone: say so at the next call)
+        state.broken = f"announcing a failed call failed: {error}"
+        return
+    state.posted = (work, out, header, leftover)
+    state.open = None
+
+
+def _settle(group, state: _GroupState, timeout: float) -> None:
+    """Read the header ``_announce`` posted, once every rank has sent its own."""
+    if state.posted is None:
+        return
+    work, out, header, leftover = state.posted
+    state.posted = None
+    what = "the announcement of a failed call"
+    try:
+        _wait_collective(work, max(2 * timeout, HEADER_TIMEOUT))
+    except TransferTimeout:
+        state.broken = f"{what} did not finish"
+        raise TransferTimeout(f"ring_rewrite: {what} did not finish: a rank did not reach it") from None
+    except Exception as error:
+        state.broken = f"{what} failed: {error}"
+        raise RuntimeError(f"ring_rewrite: {what} failed: {error}") from error
+    _round(group, state, header, torch.stack(out), leftover, timeout)
+
+
+@torch.library.custom_op("ring_rewrite::close_call", mutates_args=())
+def close_call(token: torch.Tensor, group_name: str, after: list[torch.Tensor]) -> torch.Tensor:
+    """Close the call the token belongs to, on this rank: its last transfer and ``after`` (the
+    call's results, unread) are done. The next header says whether it closed (Note [Calls,
+    deadlines and recovery]); returns the next token."""
+    state = _state(group_name)
+    if state.open == int(token[_GROUP_CALL]):
+        state.open = None
+    return token.clone()
+
+
+@close_call.register_fake
+def _(token, group_name, after):
+    return token.new_empty(token.shape)
+
+
+torch.fx.node.has_side_effect(torch.ops.ring_rewrite.close_call.default)
+
+
+def _header(state: _GroupState, kind: int, site: int, direction: int, variant: int, leftover=0):
+    header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
+    closed = int(state.open is None)
+    header[: _H_CLOSED + 1] = torch.tensor([kind, state.call, site, direction, variant, leftover, closed])
+    return header
+
+
+def _call_name(header: torch.Tensor) -> str:
+    kind, call, site, direction, variant, _ = header[: _H_LEFTOVER + 1].tolist()
+    if kind == COMPILE:
+        return f"compiles a graph of {site} attention site(s) (plans {variant:#x})"
+    where = _SITE_NAMES.get((variant, site))
     return (
-        f"call {call}, site {site} {('forward', 'backward')[direction]}, graph variant {variant:#x}"
+        f"call {call}, site {site} {('forward', 'backward')[direction]}"
+        + (f" at {where}" if where else "")
+        + f", graph variant {variant:#x}"
+        + (" failed there" if kind == FAILED else "")
     )
 
 
@@ -333,6 +595,17 @@ def _all_gather(group, x: torch.Tensor, timeout: float, what: str, state: _Group
     return torch.stack(out)
 
 
+def _gather_objects(group, obj, timeout: float, what: str, state: _GroupState) -> list:
+    """Every rank's picklable ``obj``, with a deadline (``_all_gather``). Only where every rank
+    knows that every rank calls it: after a header all of them read the same way."""
+    mine = pickle.dumps(obj)
+    size = _all_gather(group, torch.tensor([len(mine)]), timeout, what, state)
+    payload = torch.zeros(int(size.max()), dtype=torch.uint8)
+    payload[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    everyone = _all_gather(group, payload, timeout, what, state)
+    return [pickle.loads(everyone[r, : int(size[r])].numpy().tobytes()) for r in range(len(size))]
+
+
 def _wait_collective(work, timeout: float) -> None:
     try:
         future = work.get_future()
@@ -349,18 +622,13 @@ def _wait_collective(work, timeout: float) -> None:
 def _recover(group, group_name, state, previous: dict, leftover: list, timeout: float) -> None:
     """Complete what a failed call left half done, on every rank (Note [Calls, deadlines and
     recovery]): ``previous`` is what this rank started in that call."""
-    world = dist.get_world_size(group)
     me = dist.get_rank(group)
-    mine = pickle.dumps(list(previous.values()))
-    size = _all_gather(group, torch.tensor([len(mine)]), timeout, "recovery", state)
-    payload = torch.zeros(int(size.max()), dtype=torch.uint8)
-    payload[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    everyone = _all_gather(group, payload, timeout, "recovery", state)
+    everyone = _gather_objects(group, list(previous.values()), timeout, "recovery", state)
     ops = []
-    for peer in range(world):
+    for peer, started in enumerate(everyone):
         if peer == me:
             continue
-        for t in pickle.loads(everyone[peer, : int(size[peer])].numpy().tobytes()):
+        for t in started:
             if (t.call, t.tag) in previous:
                 continue  # this rank did its half
             wire = _wire(t.call, t.tag)
@@ -568,6 +836,7 @@ def _finish(keys: list[tuple[int, int]], timeout: float) -> list[_Pending]:
     except TransferTimeout:
         late = next(p for p in pendings if not all(w.done for w in p.works))
         send_to, recv_from = late.peers
+        _announce(late.group_name)
         raise TransferTimeout(
             f"ring_rewrite: {late.name} did not finish within the {timeout:g} s timeout "
             f"(sending to rank {send_to}, receiving from rank {recv_from}): a peer failed, "
@@ -723,6 +992,11 @@ class Rotater:
         received = [got[j] for j in range(len(flight.sent))]
         self.token = got[len(flight.sent)]
         return received
+
+    def close(self, after: list) -> None:
+        """The call's last op: ``after`` (its results) are done (``close_call``)."""
+        if self.token is not None:
+            self.token = torch.ops.ring_rewrite.close_call(self.token, self.group_name, list(after))
 
     def all_gather(self, x, world: int, index: int, same=None):
         """Every rank's ``x`` stacked on a new leading dim (``all_gather_seq``): the site's
@@ -896,28 +1170,77 @@ def resolve_group(group) -> tuple[dist.ProcessGroup | None, int, int]:
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def check_agreement(group: dist.ProcessGroup, sites: list[dict]) -> None:
+_RING_GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def ring_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group the ring's traffic runs on for the user's ``group``: the same ranks in the
+    same order, made once per group (Note [Group ranks]). Every rank of ``group`` calls this at
+    its first compile of a ring on it."""
+    from torch.distributed.distributed_c10d import _world
+
+    if dist.get_backend(group) == "fake":  # moves nothing: nothing of the ring to keep apart
+        return group
+    ours = _RING_GROUPS.get(group.group_name)
+    if ours is not None and ours in _world.pg_map:
+        return ours
+    ranks = dist.get_process_group_ranks(group)
+    if ranks != sorted(ranks):
+        raise ValueError(
+            f"ring_rewrite: the ring's group has its ranks out of order (global ranks {ranks}); "
+            "pass a group whose ranks ascend, as dist.new_group or a DeviceMesh dimension makes"
+        )
+    backend = group._get_backend(torch.device("cpu")) if dist.get_backend(group) == "gloo" else None
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    ours = dist.new_group(
+        ranks, backend=dist.get_backend(group), use_local_synchronization=True,
+        group_desc=f"ring_rewrite:{group.group_name}", **({"timeout": timeout} if timeout else {}),
+    )  # fmt: skip
+    _RING_GROUPS[group.group_name] = ours
+    return ours
+
+
+def check_agreement(group: dist.ProcessGroup, sites: list[dict], timeout: float) -> None:
     """Raise on every rank, naming the difference, unless all ranks planned the same ``sites``.
 
     Ranks that disagree (another sequence length, another config) would otherwise exchange
-    mismatched messages and hang until the group timeout.
+    mismatched messages and hang until the group timeout. The agreement opens with a header of
+    the calls' kind (Note [Calls, deadlines and recovery]): a rank that compiles while the
+    others call a site (a recompile on one rank only) is named by them, and names them.
     """
-    world = dist.get_world_size(group)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, sites, group=group)
+    state = _state(group.group_name)
+    _usable(state, "the compile's agreement")
+    _settle(group, state, timeout)
+    plans = zlib.crc32(repr(sites).encode()) & 0x7FFFFFFF
+    header = _header(state, COMPILE, len(sites), FORWARD, plans)
+    deadline = max(2 * timeout, HEADER_TIMEOUT)
+    headers = _all_gather(group, header, deadline, "the compile's agreement", state)
+    if bool((headers[:, :_H_LEFTOVER] == headers[0, :_H_LEFTOVER]).all()):
+        return
+    if not bool((headers[:, _KIND] == COMPILE).all()):
+        names = [_call_name(h) for h in headers]
+        state.call, state.last = int(headers[:, _H_CALL].max()) + 1, _UNSURE
+        raise RingOutOfStep(
+            "ring_rewrite: the ranks are out of step: this rank compiles a graph while another "
+            "calls one already compiled (a recompile on one rank only: grad mode, dtype, "
+            "requires_grad or a length that differs on this rank): " + "; ".join(
+                f"rank {global_rank(group, r)}: {n}" for r, n in enumerate(names)
+            ) + ". Every rank of the group must compile the same graphs."
+        )
+    everyone = _gather_objects(group, sites, deadline, "the compile's agreement", state)
     mine = everyone[0]
     first = global_rank(group, 0)  # errors name global ranks
     for r, theirs in enumerate(everyone):
         rank = global_rank(group, r)
         if len(theirs) != len(mine):
             raise RuntimeError(
-                f"ring_dilated: ranks disagree on the rewrite: {len(mine)} attention sites on "
+                f"ring_rewrite: ranks disagree on the rewrite: {len(mine)} attention sites on "
                 f"rank {first} but {len(theirs)} on rank {rank}"
             )
         for a, b in zip(mine, theirs):
             if ("reason" in a) != ("reason" in b):
                 raise RuntimeError(
-                    f"ring_dilated: ranks disagree on the rewrite of attention site "
+                    f"ring_rewrite: ranks disagree on the rewrite of attention site "
                     f"{a.get('site')}: " + " but ".join(
                         f"left alone on rank {r} ({x['reason']})" if "reason" in x
                         else f"rewritten on rank {r}"
@@ -927,7 +1250,8 @@ def check_agreement(group: dist.ProcessGroup, sites: list[dict]) -> None:
             for key in [*a, *(k for k in b if k not in a)]:
                 if a.get(key) != b.get(key):
                     raise RuntimeError(
-                        f"ring_dilated: ranks disagree on the rewrite of attention site "
+                        f"ring_rewrite: ranks disagree on the rewrite of attention site "
                         f"{a.get('site')}: {key}={a.get(key)!r} on rank {first} but "
                         f"{key}={b.get(key)!r} on rank {rank}"
                     )
+    raise RuntimeError("ring_rewrite: ranks disagree on the rewrite (their plans hash differently)")
