@@ -43,7 +43,7 @@ ring runs on the fake process group, where nothing travels: its outputs are not 
 its compile is real (the ring's numbers are checked by ``torch_ring.py``, ``ring_memory.py`` and
 ``ring_comm.py`` on real ranks). The baseline at P > 1 has no ring and is checked.
 
-One site (``--site``, issue 19): the first call of one LongNet site alone, the attention of
+One site (``--site``): the first call of one LongNet site alone, the attention of
 ``benchmarks/scale.py`` (``F.scaled_dot_product_attention(q, k, v, is_causal=True,
 enable_gqa=True)``, 4 query / 2 KV heads of 32, float32, segments [2048, 8192, 32768, 131072]
 and rates [1, 4, 16, 64], their first ``B`` branches, zigzag), forward + backward, against P, N

@@ -26,15 +26,14 @@ Useful GFLOP/s count the query-key pairs each function connects (``4 * D`` FLOPs
 the same process and thread count, read before each timed step of every implementation (a
 2048-square product, a tenth of a second). ``mm GFLOP/s`` is the run's rate, the median of
 every reading, and ``ours % mm`` is against it; ``mm GFLOP/s at N`` and ``ours % mm at N`` are
-the readings beside each N's own steps. On this machine the readings scatter from 100 to 190
-GFLOP/s within a run, and the attention steps beside them do not move with them (2026-11-27:
-the readings beside the 16k steps had a median of 185 GFLOP/s, those of the other N 151 to 170,
-while ours ran at 143 GFLOP/s at 16k and 128 to 140 at the other N), so a step's own reading is
-no better a reference than the run's. Peak memory:
-the rise of the CPU allocator's live total over its level before one forward + backward step
-(``_common.allocated_peak``: what the report's estimate counts; inputs excluded). Timings run with
-glibc's default allocation settings, as a user's process does (no ``malloc_setup``: serving every
-buffer from fresh pages made some steps a quarter slower).
+the readings beside each N's own steps. On a shared machine the readings can scatter by
+almost 2x within a run while the attention steps beside them do not move with them (the N whose
+readings are the highest need not be the N whose steps are the slowest), so a step's own reading
+is no better a reference than the run's. Peak memory: the rise of the CPU allocator's live
+total over its level before one forward + backward step (``_common.allocated_peak``: what the
+report's estimate counts; inputs excluded). Timings run with glibc's default allocation settings,
+as a user's process does (no ``malloc_setup``, which serves every buffer from fresh pages and
+would add their page faults to every step).
 
 ``--keep-heap`` runs the process with glibc serving every buffer from its heap and keeping
 it (``MALLOC_MMAP_MAX_=0``, ``MALLOC_TRIM_THRESHOLD_`` 1 TiB: what jemalloc or tcmalloc, which
@@ -44,13 +43,11 @@ VM about 10 us a page at 256k (5 s of a 26 s step). The code's cost and the mach
 
 Whether the time per token is flat in N is judged on each N's fastest step (``best s / 16k
 tokens``, beside the medians' column): the code's cost with the least of this machine's
-interference. Its slow spells last a minute or two and come and go within a run (``torch.mm`` from
-102 to 180 GFLOP/s in one run of 2026-11-26; a 16k row's steps 1.71, 2.70, 2.56 s, and three rows
-later 1.74, 1.68, 1.67 s), more than the 10 % that flatness allows. So ours is timed in rounds:
-after a warm-up step at every N, each round times one step of every N in turn
+interference. A shared machine's slow spells last a minute or two and come and go within a run,
+moving single steps by more than the 10 % that flatness allows. So ours is timed in rounds: after
+a warm-up step at every N, each round times one step of every N in turn
 (``measure_in_rounds``), and a slow spell falls on steps of several N rather than on all of one
-N's (run one N after another, a 64k row ran at 1.94 s per 16k tokens at best and the 128k row
-after it at 1.68).
+N's, as it would were the N timed one after another.
 
     python benchmarks/single_device.py                 # N = 4k .. 256k, about 25 minutes on 2 cores
     python benchmarks/single_device.py --quick         # N = 4k, 8k: a smoke run

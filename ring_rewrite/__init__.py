@@ -1,4 +1,29 @@
-"""ring_rewrite: a torch.compile backend that rewrites SDPA into ring dilated attention."""
+"""ring_rewrite: a torch.compile backend that rewrites SDPA into ring dilated attention.
+
+The ``ring_dilated`` backend finds every ``F.scaled_dot_product_attention`` call dynamo captures
+(directly, or inside ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``) and rewrites it
+into dilated attention (LongNet's branches of segment length and dilation rate, merged exactly)
+whose sequence is sharded across the ranks of a process group, the far keys and values passed
+around a ring. With no branches configured it is exact attention (ring attention). What a
+rewritten site computes is docs/semantics.md; every public name is listed in docs/api.md.
+
+* Compiling: ``backend``, ``ring_dilated``, ``ring_dilated_backend`` (registered with dynamo
+  as ``"ring_dilated"`` when this package is imported).
+* Configuring: ``RingDilatedConfig``.
+* Sharding inputs (``sharding="sharded"``): ``shard``, ``unshard``, ``shard_batch``,
+  ``positions``.
+* Planning and checking: ``explain`` and ``Report`` (what the rewrite did), ``plan`` and
+  ``ScalePlan`` (what a config needs per rank at any scale), ``reference_attention`` (the
+  float64 reference).
+* Errors: ``RecompileLimitError``, ``RingOutOfStep``, ``TransferTimeout``.
+* Testing: ``ring_rewrite.testing`` (graph diffs and assertions on what the rewrite did).
+
+Example::
+
+    import ring_rewrite
+    model = torch.compile(model, backend="ring_dilated",
+                          options={"segment_lengths": [2048, 8192], "dilation_rates": [1, 4]})
+"""
 
 from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
 from .backend import backend, register, ring_dilated, ring_dilated_backend

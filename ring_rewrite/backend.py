@@ -88,25 +88,115 @@ class lazy_print:
 
 
 def backend(config: RingDilatedConfig | None = None, **fields: Any) -> RingDilatedBackend:
-    """A backend callable for ``torch.compile(model, backend=ring_rewrite.backend(...))``."""
+    """A ``ring_dilated`` backend object for ``torch.compile(model, backend=...)``.
+
+    Builds the backend from a ``RingDilatedConfig``, or from config fields given as keyword
+    arguments (none: the exact config). Dynamo hands it every graph it captures; the backend
+    runs the normalising passes and the SDPA rewrite on it, then lowers it with
+    ``config.compiler``. It keeps one site record per attention site of every graph it compiled
+    in ``.records`` (``str(ring_rewrite.Report(be.records))`` is the report's table). Dynamo's
+    errors name it ``backend='ring_dilated'``, and an error raised while it compiles reaches the
+    caller wrapped in ``torch._dynamo.exc.BackendCompilerFailed``.
+
+    Args:
+        config (RingDilatedConfig, optional): the config. Default: ``None``.
+        **fields: ``RingDilatedConfig`` fields, when ``config`` is not given.
+
+    Returns:
+        RingDilatedBackend: a dynamo backend, ``(gm, example_inputs) -> compiled callable``.
+
+    Raises:
+        TypeError: both ``config`` and fields are given, or a field does not exist.
+        ValueError: a bad field value, or ``disable_passes`` names no normalising pass.
+
+    Example::
+
+        be = ring_rewrite.backend(segment_lengths=[2048, 8192], dilation_rates=[1, 4])
+        model = torch.compile(model, backend=be)
+        out = model(x)
+        print(ring_rewrite.Report(be.records))
+
+    .. warning::
+        Every test runs on CPU over gloo. The CUDA block kernel has run on one GPU only
+        (``P = 1``); rings across GPUs over NCCL have never run.
+    """
     if config is not None and fields:
         raise TypeError("pass either a RingDilatedConfig or config fields, not both")
     return RingDilatedBackend(config or RingDilatedConfig(**fields))
 
 
 def ring_dilated_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any):
-    """The registered ``"ring_dilated"`` backend: ``options=`` become the config."""
+    """The backend registered with dynamo as ``"ring_dilated"``.
+
+    ``torch.compile(model, backend="ring_dilated", options={...})`` calls it with each graph
+    dynamo captures, and ``options`` arrives as a keyword argument: its keys are
+    ``RingDilatedConfig`` fields (``RingDilatedConfig.from_options``; no options is the exact
+    config). Every call builds a new backend object, so the site records are not kept: compile
+    with ``ring_rewrite.backend(...)`` to read them, or call ``ring_rewrite.explain``. It is
+    registered at ``import ring_rewrite`` and by the package's ``torch_dynamo_backends`` entry
+    point.
+
+    Args:
+        gm (torch.fx.GraphModule): the graph dynamo captured; the passes rewrite it in place.
+        example_inputs (list): its example inputs.
+        **kwargs: ``options`` (Mapping[str, Any] or RingDilatedConfig, optional): the config
+            fields by name; other keyword arguments are ignored.
+
+    Returns:
+        Callable: the rewritten graph, as ``config.compiler`` lowered it.
+
+    Raises:
+        ValueError: an option that names no field, or a bad value (under ``torch.compile``,
+            wrapped in ``torch._dynamo.exc.BackendCompilerFailed``).
+
+    Example::
+
+        model = torch.compile(model, backend="ring_dilated",
+                              options={"segment_lengths": [2048, 8192], "dilation_rates": [1, 4]})
+
+    .. warning::
+        Every test runs on CPU over gloo. The CUDA block kernel has run on one GPU only
+        (``P = 1``); rings across GPUs over NCCL have never run.
+    """
     config = RingDilatedConfig.from_options(kwargs.get("options"))
     return RingDilatedBackend(config)(gm, example_inputs)
 
 
 def ring_dilated(obj: Any = None, /, **fields: Any) -> Any:
-    """Compile with the ``ring_dilated`` backend; a decorator or a plain call.
+    """Compile a module class, a module or a function with the ``ring_dilated`` backend.
 
-    ``@ring_dilated(segment_lengths=[...], dilation_rates=[...])`` on an ``nn.Module`` class
-    compiles every instance, on a module instance compiles it in place (``Module.compile``) and
-    returns it, on a function returns the compiled function. ``ring_dilated(model, **config)``
-    is the same as a plain call.
+    A decorator or a plain call. The config is built from ``fields`` first. On an
+    ``nn.Module`` subclass it wraps ``__init__`` so that every instance compiles itself
+    (``Module.compile``) when built, and returns the class; on a module instance it compiles
+    the module in place and returns it; on any other callable it returns
+    ``torch.compile(obj, backend=ring_rewrite.backend(config))``. Without ``obj`` it returns a
+    decorator that does the same.
+
+    Args:
+        obj (type, nn.Module or Callable, optional): what to compile (positional only).
+            Default: ``None`` (return a decorator).
+        **fields: ``RingDilatedConfig`` fields.
+
+    Returns:
+        ``obj`` compiled as above, or a decorator when ``obj`` is ``None``.
+
+    Raises:
+        TypeError: ``obj`` is neither an ``nn.Module`` class, a module nor callable, or a field
+            does not exist.
+        ValueError: a bad field value, or ``disable_passes`` names no normalising pass (for a
+            class, when an instance is built).
+
+    Example::
+
+        @ring_rewrite.ring_dilated(segment_lengths=[2048, 8192], dilation_rates=[1, 4])
+        class Block(nn.Module):
+            ...
+
+        model = ring_rewrite.ring_dilated(model, segment_lengths=[2048, 8192], dilation_rates=[1, 4])
+
+    .. warning::
+        Every test runs on CPU over gloo. The CUDA block kernel has run on one GPU only
+        (``P = 1``); rings across GPUs over NCCL have never run.
     """
     config = RingDilatedConfig(**fields)
     if obj is None:
@@ -134,7 +224,25 @@ def _apply(obj: T, *, config: RingDilatedConfig) -> T:
 
 
 def register() -> None:
-    """Register ``"ring_dilated"`` with dynamo unless the entry point is about to (or did)."""
+    """Register the ``"ring_dilated"`` backend with dynamo; ``import ring_rewrite`` calls it.
+
+    Installs the recompile-limit check first (Note [Recompile limit] in
+    ``ring_rewrite/recompiles.py``), then registers ``ring_dilated_backend`` under the name
+    ``"ring_dilated"`` unless the name is registered already or the package's
+    ``torch_dynamo_backends`` entry point is loading it now (it registers the name itself).
+    Calling it again does nothing.
+
+    Args:
+        None.
+
+    Returns:
+        None.
+
+    Example::
+
+        import ring_rewrite  # registers "ring_dilated"
+        model = torch.compile(model, backend="ring_dilated")
+    """
     from torch._dynamo.backends import registry
 
     recompiles.install()

@@ -23,9 +23,68 @@ Compiler = Literal["inductor", "aot_eager", "eager"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingDilatedConfig:
-    """How every captured SDPA site is rewritten (docs/semantics.md: The function, Sharding).
+    """How the ``ring_dilated`` backend rewrites every SDPA site it captures.
 
-    The default is one branch ``(w = N, r = 1)``: plain exact attention.
+    A frozen, keyword-only dataclass that holds every option of the backend: the branches of
+    dilated attention, the process group the ring runs in, whether each rank holds the whole
+    sequence or its shard, how the sequence is cut into shards, what lowers the rewritten graph,
+    and how long a rank waits for a transfer. Branch ``i`` attends within segments of ``w_i``
+    tokens on the lattice of every ``r_i``-th position (query head ``j`` takes offset
+    ``j % r_i``), and the branches merge exactly by their log-sum-exps (docs/semantics.md, The
+    function). The default, no branches, is one branch ``(w = N, r = 1)``: exact attention (ring
+    attention across ranks). Every value is checked when the config is built; sequences are
+    stored as tuples and ``timeout`` as a float. ``ring_rewrite.backend(**fields)``,
+    ``ring_rewrite.ring_dilated(**fields)`` and ``torch.compile(..., options={...})`` build one
+    from the same fields.
+
+    Args:
+        segment_lengths (Sequence[int], optional): segment length ``w_i >= 1`` of each branch;
+            ``w_i >= N`` is one segment over the whole sequence. Given together with
+            ``dilation_rates`` or not at all. Default: ``None`` (exact attention).
+        dilation_rates (Sequence[int], optional): dilation rate ``r_i >= 1`` of each branch,
+            with ``w_i % r_i == 0``. At least one branch has rate 1 (or some head and position
+            would attend to nothing), no ``(w_i, r_i)`` pair repeats, and there are at most 16
+            branches. Default: ``None``.
+        group (ProcessGroup or DeviceMesh, optional): the ranks that share the sequence: a
+            ``ProcessGroup``, a 1-D ``DeviceMesh`` (such as ``mesh["cp"]``), or ``None`` for
+            WORLD when ``torch.distributed`` is initialised (one device otherwise).
+            Default: ``None``.
+        sharding (str): ``"replicated"``: every rank runs the model on the whole sequence and
+            the rewritten site takes its shard (drop-in); ``"sharded"``: every rank runs the
+            model on its own shard (context parallel; cut inputs with ``ring_rewrite.shard`` or
+            ``ring_rewrite.shard_batch``), and a site that cannot be rewritten is an error.
+            Default: ``"replicated"``.
+        layout (str): how the sequence is cut into rank shards: ``"contiguous"`` (rank ``k``
+            holds tokens ``[kN/P, (k+1)N/P)``) or ``"zigzag"`` (``2P`` chunks, rank ``k`` holds
+            chunks ``k`` and ``2P-1-k``). Default: ``"contiguous"``.
+        compiler (str): what lowers the rewritten graph: ``"inductor"``, or ``"aot_eager"`` /
+            ``"eager"`` to debug. Default: ``"inductor"``.
+        strict (bool): raise instead of leaving a site that cannot be rewritten as written
+            (docs/semantics.md, Sites left alone). Default: ``False``.
+        timeout (float or datetime.timedelta): seconds a rank waits for one ring transfer (a
+            call's opening header, twice that) before it raises ``ring_rewrite.TransferTimeout``;
+            positive and below ``1e12``. It must cover a peer's compile: the backward compiles
+            at the first ``.backward()`` while the other ranks wait. Default: ``300.0``.
+        disable_passes (Sequence[str]): normalising passes not to run, by name:
+            ``"attention_modules"`` (spells ``nn.MultiheadAttention`` /
+            ``nn.TransformerEncoderLayer`` out as SDPA), ``"length_buckets"``. The SDPA rewrite
+            always runs. The names are checked when a backend is built from the config.
+            Default: ``()``.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range, naming the field.
+        TypeError: a field that does not exist (the dataclass's own check).
+
+    Example::
+
+        config = RingDilatedConfig(segment_lengths=[2048, 8192], dilation_rates=[1, 4],
+                                   sharding="sharded", layout="zigzag")
+        model = torch.compile(model, backend=ring_rewrite.backend(config))
+        config.branches(16384)  # ((2048, 1), (8192, 4))
+
+    .. warning::
+        Every test runs on CPU over gloo. The CUDA block kernel has run on one GPU only
+        (``P = 1``); rings across GPUs over NCCL have never run.
     """
 
     segment_lengths: tuple[int, ...] | None = None
@@ -54,10 +113,10 @@ class RingDilatedConfig:
     """Raise instead of leaving an unsupported SDPA site alone."""
 
     timeout: float = 300.0
-    """Seconds any rank waits for one ring transfer (a call's opening header, twice that) before it
-    raises naming the site, branch, step, tag and peer ranks (docs/semantics.md, Faults). It must
-    cover a peer's compile: the backward compiles at the first ``.backward()`` while the other ranks
-    wait. A ``datetime.timedelta`` is accepted."""
+    """Seconds any rank waits for one ring transfer before it raises naming the site, branch,
+    step, tag and peer ranks (docs/ring.md, Faults). A call's opening header, where a rank waits
+    for its peers to arrive (they may compile, or run code of their own between calls), waits
+    twice that and at least 10 minutes. A ``datetime.timedelta`` is accepted."""
 
     disable_passes: tuple[str, ...] = ()
     """Normalising passes not to run, by name (``passes/pipeline.py``: ``"attention_modules"``
@@ -137,7 +196,18 @@ class RingDilatedConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | RingDilatedConfig | None) -> RingDilatedConfig:
-        """Build a config from ``torch.compile(..., options={...})``; unknown keys are errors."""
+        """Build a config from ``torch.compile(..., options={...})``.
+
+        Args:
+            options (Mapping[str, Any] or RingDilatedConfig, optional): config fields by name;
+                a config is returned as it is, ``None`` gives the default config.
+
+        Returns:
+            RingDilatedConfig: the config.
+
+        Raises:
+            ValueError: a key that names no field (listing the valid ones), or a bad value.
+        """
         if options is None:
             return cls()
         if isinstance(options, cls):
@@ -151,13 +221,22 @@ class RingDilatedConfig:
         return cls(**options)
 
     def branches(self, seq_len: int) -> tuple[tuple[int, int], ...]:
-        """``(w, r)`` per branch for a sequence of ``seq_len`` tokens."""
+        """``(w, r)`` of every branch for a sequence of ``seq_len`` tokens.
+
+        Args:
+            seq_len (int): the sequence length ``N``.
+
+        Returns:
+            tuple[tuple[int, int], ...]: the configured pairs, or ``((seq_len, 1),)`` for the
+            exact config.
+        """
         if self.segment_lengths is None:
             return ((seq_len, 1),)
         return tuple(zip(self.segment_lengths, self.dilation_rates))  # type: ignore[arg-type]
 
     @property
     def is_exact(self) -> bool:
+        """Whether no branches are given: exact attention."""
         return self.segment_lengths is None
 
 

@@ -54,18 +54,112 @@ def assemble(gathered: torch.Tensor, dim: int, n_local: int, *, world: int, layo
 
 
 def positions(n: int, *, world: int, rank: int, layout: str, device=None) -> torch.Tensor:
-    """Global positions of this rank's tokens (for RoPE / position ids in sharded mode)."""
+    """The global positions of rank ``rank``'s tokens of a sequence of ``n``.
+
+    In sharded mode a model sees ``n / world`` tokens per rank, and code that numbers its
+    tokens (RoPE, ``position_ids``, a position embedding) must get their positions in the whole
+    sequence, not ``0 .. n/world - 1``. ``positions`` is ``shard`` applied to ``arange(n)``
+    with the rank and world size given as numbers, so it needs no process group.
+
+    Args:
+        n (int): the length of the whole sequence.
+        world (int): the number of ranks that share it.
+        rank (int): this rank, ``0 <= rank < world``, in the ring's group.
+        layout (str): ``"contiguous"`` or ``"zigzag"``, as the backend's ``layout``.
+        device (torch.device, optional): where the result lives. Default: ``None`` (the
+            default device).
+
+    Returns:
+        Tensor: an int64 tensor of ``n / world`` positions.
+
+    Raises:
+        ValueError: an unknown ``layout``, or ``n`` that does not cut into ``world`` equal
+            shards (``2 * world`` equal chunks for zigzag).
+
+    Shapes:
+        - Output: :math:`(n / world,)`.
+
+    Example::
+
+        >>> ring_rewrite.positions(8, world=2, rank=0, layout="zigzag")
+        tensor([0, 1, 6, 7])
+    """
     return take_shard(torch.arange(n, device=device), 0, n, world=world, rank=rank, layout=layout)
 
 
 def shard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
-    """This rank's shard of a full sequence ``x`` along ``dim`` (a view or one copy)."""
+    """This rank's shard of a whole sequence ``x`` along ``dim``.
+
+    Cuts ``x`` as the backend cuts a sequence across the ranks of ``group``: with
+    ``"contiguous"`` rank ``k`` takes tokens ``[kN/P, (k+1)N/P)`` (a view of ``x``), with
+    ``"zigzag"`` it takes chunks ``k`` and ``2P-1-k`` of ``2P`` (one copy). Use it in sharded
+    mode to cut a model's inputs (and a key-padding mask, along its key dim); ``unshard`` is
+    its inverse. Without an initialised process group it is one rank: ``x`` itself (zigzag:
+    a copy). Differentiable.
+
+    Args:
+        x (Tensor): the whole sequence, the same on every rank.
+        dim (int): the sequence dim of ``x``.
+        group (ProcessGroup or DeviceMesh, optional): the ranks that share the sequence, as the
+            backend's ``group`` (a 1-D ``DeviceMesh`` such as ``mesh["cp"]``; ``None``: WORLD).
+            Default: ``None``.
+        layout (str): ``"contiguous"`` or ``"zigzag"``, as the backend's ``layout``.
+            Default: ``"contiguous"``.
+
+    Returns:
+        Tensor: this rank's ``N / P`` tokens of ``x`` along ``dim``.
+
+    Raises:
+        ValueError: an unknown ``layout``, or ``N`` that does not cut into ``P`` equal shards
+            (``2P`` equal chunks for zigzag).
+
+    Shapes:
+        - ``x``: :math:`(..., N, ...)`, ``N`` at ``dim``.
+        - Output: :math:`(..., N / P, ...)`, ``P`` the size of ``group``.
+
+    Example::
+
+        x_local = ring_rewrite.shard(x, 1, group=mesh["cp"], layout="zigzag")  # (B, N / P, D)
+        out = model(x_local)
+        out = ring_rewrite.unshard(out, 1, group=mesh["cp"], layout="zigzag")  # (B, N, D)
+
+    .. warning::
+        Tested on CPU over gloo only; NCCL process groups have never run.
+    """
     _, world, rank = resolve_group(group)
     return take_shard(x, dim, x.shape[dim], world=world, rank=rank, layout=layout)
 
 
 def unshard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
-    """The full sequence from every rank's shard ``x`` (all-gather; differentiable)."""
+    """The whole sequence from every rank's shard ``x`` along ``dim``; the inverse of ``shard``.
+
+    An all-gather over ``group`` (``all_gather_single_autograd``, so gradients flow back to
+    each rank's shard), then the shards put back in sequence order for ``layout``. Every rank
+    of ``group`` must call it with a shard of the same shape. Without an initialised process
+    group (one rank) it returns ``x`` itself.
+
+    Args:
+        x (Tensor): this rank's shard.
+        dim (int): the sequence dim of ``x``.
+        group (ProcessGroup or DeviceMesh, optional): the ranks that share the sequence, as the
+            backend's ``group``. Default: ``None`` (WORLD).
+        layout (str): ``"contiguous"`` or ``"zigzag"``: the layout ``x`` was cut with.
+            Default: ``"contiguous"``.
+
+    Returns:
+        Tensor: the whole sequence, the same on every rank.
+
+    Shapes:
+        - ``x``: :math:`(..., N / P, ...)`, ``N / P`` at ``dim``.
+        - Output: :math:`(..., N, ...)`.
+
+    Example::
+
+        logits = ring_rewrite.unshard(model(ring_rewrite.shard(x, 1)), 1)
+
+    .. warning::
+        Tested on CPU over gloo only; NCCL process groups have never run.
+    """
     group, world, _ = resolve_group(group)
     if world == 1:
         return x
@@ -112,8 +206,18 @@ def shard_batch(
     pad_token_id: int = 0,
     ignore_index: int = -100,
 ) -> dict[str, Any]:
-    """This rank's part of ``batch``, the keyword arguments of a Hugging Face model in sharded
-    mode (Note [A batch across ranks]).
+    """This rank's part of a Hugging Face batch, for a model compiled in sharded mode.
+
+    Pads the sequence to a bucket length ``N'``, then cuts every tensor of ``B`` rows and ``N``
+    tokens to this rank's ``N' / P`` tokens along dim 1, and adds what a model cannot derive
+    from its shard alone: the global ``position_ids``, labels shifted over the whole sequence,
+    and the labelled tokens of the whole batch as the loss's denominator (Note [A batch across
+    ranks]). ``N'`` is the next power of two ``>= N`` with ``buckets`` (else ``N``), rounded up
+    to a multiple of ``P`` (``2P`` for zigzag) and of ``multiple_of``. Padded tokens get
+    ``pad_token_id``, label ``ignore_index``, and no real token attends to them: an
+    ``attention_mask`` gets zeros there; without one and without ``position_ids``, one is made;
+    with ``position_ids`` and no mask, the padding's positions restart at 0 (a packed document
+    of its own).
 
     Args:
         batch: what a data loader gives the model: ``input_ids`` (or ``inputs_embeds``),
@@ -121,29 +225,43 @@ def shard_batch(
             any other tensor whose first two dims are ``(B, N)``. Every rank of ``group`` passes
             the same whole batch. Other values pass through unchanged.
         group: the ranks that share the sequence, as the backend's ``group`` (a ``ProcessGroup``,
-            a 1-D ``DeviceMesh`` such as ``mesh["cp"]``, or None for WORLD).
+            a 1-D ``DeviceMesh`` such as ``mesh["cp"]``, or None for WORLD). Default: ``None``.
         layout: ``"contiguous"`` or ``"zigzag"``, as the backend's ``layout``.
+            Default: ``"contiguous"``.
         shift_labels: ``labels`` are next-token targets (a causal LM): shift them over the whole
             sequence and pass them as ``shift_labels`` too. False for labels of their own token
-            (masked LM, token classification).
+            (masked LM, token classification). Default: ``True``.
         buckets: pad the length up to the next power of two (one compiled graph per bucket);
-            False pads only to a multiple of the shards.
+            False pads only to a multiple of the shards. Default: ``True``.
         multiple_of: the padded length is also a multiple of this (a dilated config needs each
-            shard to be a multiple of every ring branch's rate).
-        pad_token_id: the id of padded ``input_ids``.
-        ignore_index: the label of tokens the loss skips.
+            shard to be a multiple of every ring branch's rate). Default: 1.
+        pad_token_id: the id of padded ``input_ids``. Default: 0.
+        ignore_index: the label of tokens the loss skips. Default: -100.
 
     Returns:
         A new dict: every ``(B, N, ...)`` tensor padded and cut to this rank's tokens along dim 1,
-        ``position_ids`` (global, ``(B, N / P)``), and with ``labels``: ``shift_labels`` (if
+        ``position_ids`` (global, ``(B, N' / P)``), and with ``labels``: ``shift_labels`` (if
         ``shift_labels``) and ``num_items_in_batch``, the labelled tokens of the whole batch (a
         tensor, so that it does not specialise the compiled graph).
+
+    Raises:
+        ValueError: no ``input_ids`` ``(B, N)`` or ``inputs_embeds`` ``(B, N, D)`` tensor, an
+            unknown ``layout``, or ``multiple_of < 1``.
+
+    Shapes:
+        - ``input_ids``, ``attention_mask``, ``labels``, ``position_ids``: :math:`(B, N)` in,
+          :math:`(B, N' / P)` out (a tensor of one row, :math:`(1, N)`, stays one row).
+        - ``inputs_embeds``: :math:`(B, N, D)` in, :math:`(B, N' / P, D)` out.
+        - ``shift_labels``: :math:`(B, N' / P)`; ``num_items_in_batch``: :math:`()`.
 
     Example::
 
         batch = shard_batch(next(loader), group=mesh["cp"], layout="zigzag")
         loss = model(**batch, use_cache=False).loss   # this rank's share of the batch's mean
         loss.backward()                               # then sum gradients over the ring's ranks
+
+    .. warning::
+        Tested on CPU over gloo only; NCCL process groups have never run.
     """
     _, world, rank = resolve_group(group)
     ids = batch.get("input_ids")

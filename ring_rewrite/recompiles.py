@@ -46,7 +46,27 @@ log = logging.getLogger(__name__)
 
 
 class RecompileLimitError(RuntimeError):
-    """Dynamo's recompile limit was hit for a function the ``ring_dilated`` backend compiled."""
+    """A call of a function the ``ring_dilated`` backend compiled went past dynamo's recompile limit.
+
+    Past ``torch._dynamo.config.recompile_limit`` compiles of one function (or
+    ``accumulated_recompile_limit``), dynamo would run the call uncompiled: plain SDPA, a
+    different function from the one the compiled calls compute (undilated; in sharded mode,
+    within this rank's shard only). For the functions this backend compiled it raises this
+    instead, at every such call; the lengths already compiled still run. The message names the
+    limit and its value, the function and its ``file:line``, and what to do: raise the limit
+    (or ``torch.compile(..., recompile_limit=...)``) above the number of distinct shapes run, or
+    pad inputs to a few lengths. It is raised from dynamo's ``FailOnRecompileLimitHit``
+    (``__cause__``). Other backends' functions fall back as dynamo has it (Note [Recompile
+    limit] in ``ring_rewrite/recompiles.py``); with ``torch._dynamo.config.suppress_errors=True``
+    dynamo swallows it, as it swallows every compile error. A subclass of ``RuntimeError``.
+
+    Example::
+
+        try:
+            out = model(x)
+        except ring_rewrite.RecompileLimitError:
+            ...  # pad x to one of the lengths compiled before
+    """
 
 
 _COMPILING: contextvars.ContextVar[tuple[CodeType, Any] | None] = contextvars.ContextVar(

@@ -41,18 +41,63 @@ def reference_attention(
     key_bias: torch.Tensor | None = None,
     query_chunk: int | None = None,
 ) -> torch.Tensor:
-    """Dilated attention (the log-count bias form) in float64, differentiable; returns float64.
+    """Dilated attention in float64, the dense reference every numerics test compares against.
 
-    ``q (B, Hq, N, D)``, ``k (B, Hkv, N, D)``, ``v (B, Hkv, N, Dv)``; ``key_bias`` is an
-    additive bias (or a bool keep-mask) broadcast to ``(B, Hq, 1, N)``. With no segment lengths
-    this is exact softmax attention.
+    Computes the function a rewritten site computes in its dense form (docs/semantics.md, The
+    function): softmax attention with the additive bias ``log c(j, p, t)``, where ``c`` counts
+    the branches ``(w_i, r_i)`` that connect query ``p`` and key ``t`` for head ``j`` (same
+    segment ``p // w_i == t // w_i``, both on the lattice ``≡ j mod r_i``, and ``t <= p`` with
+    ``is_causal``). A row with no connected key gives 0. With no segment lengths this is exact
+    softmax attention. Inputs are cast to float64 and the result is float64; it is
+    differentiable (gradients flow back to the inputs in their dtype). O(N^2) time; memory
+    O(N^2) too unless ``query_chunk`` is given. With GQA (``Hq % Hkv == 0``) query head ``j``
+    reads key/value head ``j // (Hq // Hkv)``. NaN propagates as in SDPA's kernels.
 
-    ``query_chunk`` computes the queries that many at a time, so the dense scores never exceed
-    ``(B, Hq, query_chunk, N)``, forward or backward (each chunk is recomputed in the backward; a
-    float64 check at 16k tokens fits in a few GiB), and each chunk
-    only looks at the keys that one of its queries connects to (with ``is_causal``, none after
-    its last query). Same function (up to float64 rounding of the sums), still differentiable;
-    ``None`` is the one dense pass.
+    Args:
+        q (Tensor): queries.
+        k (Tensor): keys.
+        v (Tensor): values.
+        segment_lengths (Sequence[int], optional): ``w_i`` of each branch, given together with
+            ``dilation_rates``; not validated here (``RingDilatedConfig`` checks a config).
+            Default: ``None`` (exact attention).
+        dilation_rates (Sequence[int], optional): ``r_i`` of each branch. Default: ``None``.
+        is_causal (bool): causal attention. Default: ``False``.
+        scale (float, optional): the score scale. Default: ``None`` (``D ** -0.5``).
+        key_bias (Tensor, optional): an additive float bias over the keys, or a bool keep-mask
+            (``False``: masked out). Default: ``None``.
+        query_chunk (int, optional): compute the queries this many at a time, so the scores
+            never exceed ``(B, Hq, query_chunk, N)``, forward or backward (each chunk is
+            recomputed in the backward; a float64 check at 16k tokens fits in a few GiB), each
+            chunk over only the keys one of its queries connects to (with ``is_causal``, none
+            after its last query). The same function up to float64 rounding of the sums.
+            Default: ``None`` (one dense pass; so is any value ``>= N``).
+
+    Returns:
+        Tensor: the attention output, float64.
+
+    Raises:
+        ValueError: ``query_chunk < 1`` (when it is below ``N``).
+
+    Shapes:
+        - ``q``: :math:`(B, H_q, N, D)`.
+        - ``k``: :math:`(B, H_{kv}, N, D)`.
+        - ``v``: :math:`(B, H_{kv}, N, D_v)`.
+        - ``key_bias``: :math:`(B, H_q, 1, N)`, each of ``B`` and ``H_q`` possibly 1
+          (broadcast over the query rows).
+        - Output: :math:`(B, H_q, N, D_v)`, float64.
+
+    Example::
+
+        q, k, v = (torch.randn(1, 4, 64, 16) for _ in range(3))
+        ref = ring_rewrite.reference_attention(q, k, v, segment_lengths=[16, 64],
+                                               dilation_rates=[1, 4], is_causal=True)
+        out = torch.compile(attend, backend=ring_rewrite.backend(
+            segment_lengths=[16, 64], dilation_rates=[1, 4]))(q, k, v)
+        assert (out.double() - ref).abs().max() < 1e-5
+
+    .. warning::
+        Tested on CPU. A bool ``key_bias`` is turned into a float bias on the CPU, so with
+        inputs on another device pass a float bias (``0`` / ``-inf``) instead.
     """
     b, hq, n, d = q.shape
     hkv = k.shape[1]

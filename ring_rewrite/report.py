@@ -489,10 +489,34 @@ def _shape(s: Any) -> str:
 
 @dataclasses.dataclass
 class Report:
-    """One row per attention site the backend saw; ``str(report)`` is a ``tabulate`` table.
+    """What the ``ring_dilated`` rewrite did with each attention site it saw.
 
-    Ranks are global: ``rank (group)`` (with more than one rank) is this process and the ranks of
-    its ring's group, and a ring branch names the ranks of its (sub-)ring.
+    One row per site record: the site id, where it is (module path and ``file:line``), its
+    kind, the normalising passes that touched it, the q / k / v shapes, and whether it was
+    rewritten or left alone and why. A rewritten site's row adds its branches (``local``, or
+    ``ring`` and the ranks of its ring), ``P / mode / layout`` (and the padded length), this
+    process's rank and its group's ranks (with more than one rank), ``is_causal`` and any band
+    read from a mask, and its cost on this rank: useful forward GFLOP (dense in brackets), MiB
+    sent forward / backward, MiB saved for backward / peak (estimates: Note [Memory of a site]).
+    Ranks are global. ``str(report)`` is a ``tabulate`` table under a one-line summary
+    (``ring_dilated: no attention site found`` when there are no records).
+
+    Args:
+        records (list[SiteRecord]): the site records, as a backend's ``.records`` or
+            ``ring_rewrite.testing.Capture.records`` hold them.
+
+    Attributes:
+        rewritten (list[SiteRecord]): the records of sites rewritten (a plan, or a decode step).
+        skipped (list[SiteRecord]): the records of sites left alone.
+        rows() (list[dict[str, Any]]): the table's rows, column name to cell text.
+
+    Example::
+
+        be = ring_rewrite.backend(segment_lengths=[64, 256], dilation_rates=[1, 4])
+        torch.compile(model, backend=be)(x)
+        report = ring_rewrite.Report(be.records)
+        assert not report.skipped, report
+        print(report)
     """
 
     records: list[Any]
@@ -553,8 +577,32 @@ class Report:
 def explain(model_or_fn: Callable[..., Any], *example_args: Any, **config: Any) -> Report:
     """Run ``model_or_fn(*example_args)`` once through the rewrite and report every site.
 
-    ``config`` holds ``RingDilatedConfig`` fields; the graph runs eagerly after the rewrite
-    (``compiler="eager"``) unless another compiler is named.
+    Compiles ``model_or_fn`` with ``torch.compile`` and a new ``ring_dilated`` backend built
+    from ``config``, calls it once on ``example_args`` (its output is dropped), and returns the
+    report of every attention site of every graph compiled during that call. The rewritten
+    graph runs eagerly (``compiler="eager"``) unless ``config`` names another compiler. The
+    model itself is not modified. For keyword arguments of the model pass
+    ``functools.partial(model, **kwargs)``. Under an initialised process group the call runs
+    the ring, so every rank of the group must make it.
+
+    Args:
+        model_or_fn (Callable): an ``nn.Module`` or a function.
+        *example_args: its positional arguments.
+        **config: ``RingDilatedConfig`` fields; ``compiler`` defaults to ``"eager"``.
+
+    Returns:
+        Report: one row per attention site; ``print`` it for the table.
+
+    Raises:
+        TypeError, ValueError: a bad config field.
+        torch._dynamo.exc.BackendCompilerFailed: the rewrite raised while compiling (with
+            ``strict=True`` or in sharded mode, a site that cannot be rewritten).
+
+    Example::
+
+        print(ring_rewrite.explain(model, x, segment_lengths=[64, 256], dilation_rates=[1, 4]))
+        # ring_dilated: 2 of 2 attention sites rewritten
+        #   site  where  ...  branches (w, r)  ...  status  ...
     """
     config.setdefault("compiler", "eager")
     be = RingDilatedBackend(RingDilatedConfig(**config))

@@ -33,7 +33,36 @@ BACKWARD_FLOPS = 2.5
 
 @dataclasses.dataclass(frozen=True)
 class ScalePlan:
-    """Per-rank needs of one attention layer, and of ``layers`` of them, for every rank."""
+    """What one attention layer, and ``layers`` of them, needs on each rank; made by ``plan()``.
+
+    Holds the plans the rewrite would build for one site on every rank of the group and sums
+    what the report counts, each the most of any rank: useful FLOPs, bytes sent forward and
+    backward, the largest message, memory. ``str(scale_plan)`` is a summary line, a table of
+    the branches and the per-layer totals (and, with ``layers > 1``, the model's attention
+    peak).
+
+    Args:
+        plans (tuple[SitePlan, ...]): one site plan per rank of the group, rank 0 first.
+        layers (int): attention layers of the model, for ``totals["model peak"]``. Default: 1.
+
+    Attributes:
+        site (SitePlan): rank 0's plan (shapes, branches, world, sharding, layout).
+        branch_rows (list[dict]): per branch: ``"branch (w, r)"``, ``"where"`` (local or the
+            size of its ring), ``"head chunks"``, and the most of any rank of ``"flops"``
+            (useful forward FLOPs), ``"sent fwd"`` / ``"sent bwd"`` and ``"message"`` (bytes).
+        totals (dict[str, int]): the layer on its busiest rank: ``"forward flops"``,
+            ``"backward flops"`` (2.5x forward), ``"sent forward"``, ``"sent backward"``,
+            ``"largest message"``, ``"q, k, v"``, ``"saved"`` and ``"peak"`` (bytes; memory
+            estimates as in Note [Memory of a site]) and ``"model peak"``: every layer's q, k,
+            v and saved tensors plus one layer's peak (no weights, MLPs or optimizer).
+
+    Example::
+
+        sp = ring_rewrite.plan(2**20, 8, heads=8, head_dim=64,
+                               segment_lengths=[4096, 2**20], dilation_rates=[1, 16])
+        sp.totals["sent forward"]   # bytes the busiest rank sends per forward of one layer
+        print(sp)
+    """
 
     plans: tuple[SitePlan, ...]
     """One per rank of the group, as the rewrite would build them."""
@@ -146,10 +175,56 @@ def plan(
     sharding: str = "sharded",
     layout: str = "zigzag",
 ) -> ScalePlan:
-    """The plans of one attention layer of ``seq_len`` tokens over ``world_size`` ranks, as
-    the rewrite would build them (``segment_lengths`` / ``dilation_rates`` as the backend's
-    options; None: exact attention). Raises ValueError where the rewrite would: a config the
-    shards cannot carry."""
+    """What one attention layer of ``seq_len`` tokens needs on each of ``world_size`` ranks.
+
+    Builds the site plan the rewrite would build on every rank of a group of ``world_size``
+    (the same ``SitePlan.build``, from numbers alone: no tensor is allocated and no process
+    group is needed), for SDPA with ``heads`` query heads, ``kv_heads`` key/value heads of
+    ``head_dim`` (``Dv = head_dim``), scale ``head_dim ** -0.5`` and no mask, and returns them
+    with their totals. Numbers are per rank and per layer, the most of any rank. Raises where
+    the rewrite would: a config the shards cannot carry.
+
+    Args:
+        seq_len (int): the global sequence length ``N``.
+        world_size (int): the ranks of the ring's group ``P``.
+        heads (int): query heads ``Hq``.
+        head_dim (int): the head dim ``D`` (and ``Dv``).
+        kv_heads (int, optional): key/value heads ``Hkv``. Default: ``None`` (``heads``).
+        batch (int): the batch size ``B``. Default: 1.
+        dtype (torch.dtype): the inputs' dtype. Default: ``torch.bfloat16``.
+        is_causal (bool): causal attention. Default: ``True``.
+        layers (int): attention layers of the model, for the model's peak. Default: 1.
+        device (str): the device type whose block kernel is counted (its compute dtype and
+            memory); nothing runs there. Default: ``"cuda"``.
+        segment_lengths (Sequence[int], optional): as ``RingDilatedConfig``. Default: ``None``
+            (exact attention).
+        dilation_rates (Sequence[int], optional): as ``RingDilatedConfig``. Default: ``None``.
+        sharding (str): ``"sharded"`` or ``"replicated"``, as ``RingDilatedConfig``.
+            Default: ``"sharded"``.
+        layout (str): ``"zigzag"`` or ``"contiguous"``, as ``RingDilatedConfig``.
+            Default: ``"zigzag"``.
+
+    Returns:
+        ScalePlan: the plans of every rank; ``print`` it for the table.
+
+    Raises:
+        ValueError: a bad config (as ``RingDilatedConfig``), ``seq_len`` that does not cut into
+            ``P`` equal shards (``2P`` chunks for zigzag) with ``P > 1``, or a branch the shards
+            cannot carry (a segment that neither divides nor is a multiple of a rank's part, a
+            part that is not a multiple of the rate).
+
+    Example::
+
+        segs = [2048 * 4**i for i in range(10)] + [2**30]
+        rates = [4**i for i in range(10)] + [2**19]
+        print(ring_rewrite.plan(2**30, 512, heads=16, kv_heads=4, head_dim=128,
+                                segment_lengths=segs, dilation_rates=rates, layers=24))
+
+    .. warning::
+        Memory is an estimate of how inductor schedules a site, compared with measured peaks
+        on CPU only; on CUDA the kernel's own workspace is not counted, and a CUDA run of the
+        ring across GPUs (NCCL) has never been measured.
+    """
     config = RingDilatedConfig(
         segment_lengths=segment_lengths, dilation_rates=dilation_rates, sharding=sharding, layout=layout
     )

@@ -173,3 +173,52 @@ def test_nothing_cites_a_contract_outside_the_repository():
         if any(text in line for text in _OUTSIDE)
     ]
     assert not found, "cite docs/semantics.md instead:\n" + "\n".join(found)
+
+
+# ---- comments say what the code does, not when it changed -------------------------------------
+
+# History belongs to git log: a comment or docstring that carries a date or names a commit tells
+# what the code was, and goes stale when it changes again. Every file is checked, none excepted.
+_HISTORY = (
+    re.compile(r"\b\d{4}-\d{2}-\d{2}\b"),  # a date, YYYY-MM-DD
+    re.compile(r"\bcommits? [0-9a-f]{7,40}\b", re.IGNORECASE),  # a commit named by its hash
+)
+_C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
+
+
+def _python_comments(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every comment and docstring (any string statement: module, class and
+    function docstrings, and those under an assignment) of a Python file."""
+    import io
+    import tokenize
+
+    source = path.read_text()
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found.append((node.lineno, node.value.value))
+    return found
+
+
+def _c_comments(path: Path) -> list[tuple[int, str]]:
+    source = path.read_text()
+    return [(source.count("\n", 0, m.start()) + 1, m.group()) for m in _C_COMMENT.finditer(source)]
+
+
+def test_no_comment_or_docstring_carries_a_date_or_a_commit():
+    tops = ("ring_rewrite", "passes", "tests", "examples")
+    found = []
+    for path in FILES:
+        if path.relative_to(ROOT).parts[0] not in tops or path.suffix not in (".py", ".c"):
+            continue
+        comments = _python_comments(path) if path.suffix == ".py" else _c_comments(path)
+        for line, text in comments:
+            for pattern in _HISTORY:
+                for match in pattern.finditer(text):
+                    at = line + text.count("\n", 0, match.start())
+                    found.append(f"{path.relative_to(ROOT)}:{at}: {match.group()}")
+    assert not found, "say what the code does and why (history is in git log):\n" + "\n".join(found)

@@ -58,7 +58,7 @@ def _case(rank, world, case, compiler):
     grads = torch.autograd.grad(out, inputs, dout)
     errors = [rel_err(a, b) for a, b in zip((out, *grads), expected)]
     assert max(errors) < BOUND, (rank, case, errors)
-    # The report's plan is what the P2P ops counted (issue 3: bytes per rank as planned).
+    # The report's plan is what the P2P ops counted: bytes per rank as planned.
     (record,) = backend.records
     planned = bytes_sent(record.plan)
     assert (forward_bytes, sent["bytes_sent"]) == (planned["forward"], planned["backward"])
@@ -327,7 +327,8 @@ def _wait_on_a_copy(rank, world):
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((4,), float(rank))
     token = ops.ring_shift_start([x], p2p.site_token(0, group, 0, 20_000), group, 1 - rank, 1 - rank, 5)
-    # What inductor did before Note [Buffers in flight]: the wait got a second buffer.
+    # The wait given another buffer than the start sent (what Note [Buffers in flight] keeps
+    # inductor from doing) raises.
     with pytest.raises(RuntimeError, match="tensor 0 reached the wait in another buffer"):
         ops.ring_shift_wait([x.clone()], token, 5, [])
 

@@ -157,7 +157,8 @@ _ALLOC = re.compile(r"empty_strided_cpu\(\(([\d, ]*)\), \(([\d, ]*)\)")
 # tokens, causal). Every ring branch runs in as many head chunks as it can (RING_CHUNK_BYTES=1).
 INDUCTOR_CASES = {
     "exact": (dict(sharding="sharded"), (2, 2), 32, False),
-    # The case that came out wrong under inductor (issue 15): a branch of rate 4 across ranks.
+    # A branch of rate 4 across ranks: its dilated K/V are gathered into buffers that a transfer
+    # sends, which inductor must not reuse while in flight (Note [Buffers in flight]).
     "dilated": (dict(segment_lengths=[16, 128], dilation_rates=[1, 4], sharding="sharded"), (4, 4), 64, False),
     "zigzag-gqa": (
         dict(segment_lengths=[16, 64], dilation_rates=[1, 2], layout="zigzag"), (4, 2), 64, True
@@ -200,9 +201,9 @@ def generated_code(request) -> tuple[list[str], list[tuple[int, int]], int]:
 
 def test_inductors_code_keeps_every_buffer_in_flight_alive_and_unwritten(generated_code):
     """Note [Buffers in flight]: in the code that runs, no buffer a transfer sends is freed,
-    reused or written before its wait, and the wait reads the buffers the start sent. (On the
-    commit before the fix, inductor handed the K/V sent at step 0 to the next gather kernel and
-    gave the wait a second copy: see ``buffers_in_flight_violations``.)"""
+    reused or written before its wait, and the wait reads the buffers the start sent. (What
+    ``buffers_in_flight_violations`` reports: a sent buffer handed to a later kernel before its
+    wait, such as the K/V sent at step 0 to the next gather, or a wait given a copy.)"""
     codes, rings, _ = generated_code
     assert rings
     for code in codes:
@@ -230,10 +231,11 @@ def test_inductors_code_overlaps_every_transfer_and_allocates_contiguous_buffers
     """What runs, not only the traced body: in inductor's generated code every transfer has block
     compute between its start and its wait, forward and backward, except each ring branch's last
     chunk's last hop home where the site has no local branch (with one, that hop lands after the
-    local branches computed: Note [Overlap across branches]). (Its peak-memory reordering moved each dK/dV wait ahead of the block
-    it overlaps until the waits took that block's results: Note [Ordering the ring's
-    messages].) And every buffer is contiguous: one-head chunks once made it lay the output out
-    channels-last and copy it back (``attention._cat_heads``)."""
+    local branches computed: Note [Overlap across branches]). Each dK/dV wait takes the results
+    of the block it overlaps, so that inductor's peak-memory reordering cannot move it ahead of
+    that block (Note [Ordering the ring's messages]). And every buffer is contiguous: with
+    one-head chunks inductor would lay the output out channels-last and copy it back, which
+    ``attention._cat_heads`` prevents."""
     codes, rings, local = generated_code
     assert rings and all(chunks > 1 for chunks, _ in rings)
     overlapped = []  # per transfer, in the order of the waits: was a block run inside it?

@@ -64,7 +64,7 @@ def test_exact_ring_closed_forms(world):
 
 
 def test_a_billion_tokens_over_512_ranks():
-    """The README's table: it builds without memory or a process group, every rank's share is
+    """docs/scale.md's table: it builds without memory or a process group, every rank's share is
     1/512, and branches longer than a rank's shard are rings."""
     segs = [2048 * 4**i for i in range(6)] + [2**30]
     rates = [2**i for i in range(7)]

@@ -445,7 +445,7 @@ def test_site_named_by_module_path_and_line():
     node.meta["nn_module_stack"] = {"a": ("L['self'].layers.0", None), "b": ("L['self'].layers.0.self_attn", None)}
     assert location(node) == "layers.0.self_attn"
     node.meta["stack_trace"] = '  File "/home/me/model.py", line 12, in forward\n    x = attn(x)\n'
-    assert location(node) == "layers.0.self_attn (model.py:12)"  # issue 18: by layer, and line
+    assert location(node) == "layers.0.self_attn (model.py:12)"  # by layer, and line
     node.meta["nn_module_stack"] = {"a": ("L['self']", None)}  # the root module: no path
     assert location(node) == "model.py:12"
 

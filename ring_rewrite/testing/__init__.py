@@ -40,7 +40,7 @@ The ``ring_graphs`` pytest fixture (``ring_rewrite.pytest_plugin``) hands all of
 One module per job: ``capture`` (graphs before and after the passes; AOT graphs through torch's
 ``AotEagerAndRecordGraphs``), ``graphs`` (stable text, op names, site bodies), ``diff``,
 ``schedule`` (the ring's transfers), ``asserts``, ``expected``, ``generated`` (inductor's code) and
-``faults``.
+``faults``. Every public name, with its signature: docs/api.md, Testing.
 """
 
 

@@ -42,10 +42,29 @@ def _left_alone_locations(gm: fx.GraphModule) -> list[str]:
 def assert_rewritten(result: Any, n: int | None = None) -> None:
     """Assert that ``n`` attention sites were rewritten (``None``: every site, at least one).
 
-    ``result`` is a ``Capture``, a ``Report``, a ``RingDilatedBackend`` or a list of site
-    records. With a ``Capture`` the graphs must agree too: one ``autograd_function_apply`` site
-    node per rewritten site and an SDPA (or attention-module) node still in place for each site
-    left alone.
+    Counts the rewritten site records of ``result``. With a ``Capture`` the graphs must agree
+    with the records too: one rewritten site node (``autograd_function_apply``, or a decode
+    step's node) per rewritten site, and an SDPA (or attention-module) node still in place for
+    each site left alone. Fails with the sites left alone and their reasons, then the report's
+    table (or the graph diff when graphs and records disagree), so a test shows why when an
+    upgrade of torch or of a model stops the rewrite.
+
+    Args:
+        result (Capture, Report, RingDilatedBackend or list[SiteRecord]): what to look at.
+        n (int, optional): the number of sites that must be rewritten. Default: ``None``
+            (every site, and at least one).
+
+    Returns:
+        None.
+
+    Raises:
+        AssertionError: a different number of sites was rewritten, or a ``Capture``'s graphs
+            disagree with its records.
+
+    Example::
+
+        cap = capture(model, x, segment_lengths=[64, 256], dilation_rates=[1, 4])
+        assert_rewritten(cap, 2)
     """
     __tracebackhide__ = True
     records = _records(result)
@@ -76,12 +95,33 @@ def assert_rewritten(result: Any, n: int | None = None) -> None:
 
 
 def assert_left_alone(result: Any, site: int | str | None = None, reason: str | None = None) -> Any:
-    """Assert that an attention site was left alone (not rewritten), with a reason containing
-    ``reason``; returns its record.
+    """Assert that an attention site was left alone (not rewritten), and return its record.
 
-    ``site`` is a site id or a substring of its location (``layers.3.self_attn (model.py:12)``:
-    module path and ``file:line``); ``None`` means any site.
-    With a ``Capture`` the site's SDPA (or attention-module) node must also still be in its graph.
+    Chooses the sites by ``site`` and passes when one of them was left alone with a reason
+    that contains ``reason``; the first such record is returned. With a ``Capture`` that
+    site's SDPA (or attention-module) node must also still be in its graph (not checked for a
+    site whose location is unknown, ``"?"``). Fails naming what happened to the chosen sites,
+    then the report's table.
+
+    Args:
+        result (Capture, Report, RingDilatedBackend or list[SiteRecord]): what to look at.
+        site (int or str, optional): a site id, or a substring of its location
+            (``layers.3.self_attn (model.py:12)``: module path and ``file:line``).
+            Default: ``None`` (any site).
+        reason (str, optional): a substring of the reason it was left alone.
+            Default: ``None`` (any reason).
+
+    Returns:
+        SiteRecord: the record of the site left alone.
+
+    Raises:
+        AssertionError: no site matches ``site``, none of them was left alone for ``reason``,
+            or a ``Capture``'s graph no longer holds the site's attention node.
+
+    Example::
+
+        cap = capture(model, x)
+        record = assert_left_alone(cap, "layers.0.attn", reason="dropout")
     """
     __tracebackhide__ = True
     records = _records(result)
@@ -123,16 +163,43 @@ def assert_same_p2p_schedule(
     expect_transfers: bool = True,
     **config: Any,
 ) -> list[Capture]:
-    """Assert that every rank issues the same ring transfers in the same order; returns the
-    per-rank captures.
+    """Assert that every rank issues the same ring transfers in the same order.
 
-    ``model`` is compiled once per rank of a fake process group of ``world`` ranks
-    (``capture_ranks``; ``config`` holds the config fields, ``inputs`` the arguments or a function
-    of the rank), or is a list of per-rank captures already made. On every rank the AOT forward
-    then backward graphs must issue the same transfers (op, tag, sent shape and dtype) in the same
-    order, and every send must meet a receive from its sender at the same position on the peer.
-    ``expect_transfers`` fails when no rank transfers anything (a rewrite that became local, or
-    no rewrite at all, would otherwise pass vacuously).
+    Compiles ``model`` once per rank of a fake process group of ``world`` ranks
+    (``capture_ranks``, with ``aot=True``: no communication, nothing runs across ranks), or
+    takes a list of per-rank captures already made. Every rank's forward then backward graphs
+    must issue the same transfers (op, tag, sent shapes and dtypes) in the same order, and each
+    send must meet a receive from its sender at the same position on the peer: what a real
+    ring needs not to deadlock or pair the wrong messages (Note [Ordering the ring's messages]
+    in ``ring_rewrite/p2p.py``). Fails with the first difference and the ranks' transfers side
+    by side.
+
+    Args:
+        model (Callable or Sequence[Capture]): the model or function to compile, or the
+            per-rank captures (then leave ``inputs`` out).
+        inputs (Sequence or Callable[[int], Sequence], optional): the model's arguments on
+            every rank, or a function of the rank that returns them (the rank's shard in
+            sharded mode). Default: ``None`` (``model`` is a list of captures).
+        world (int): the number of fake ranks. Default: 4.
+        backward (bool): also run backward, so the backward graphs are compared.
+            Default: ``True``.
+        expect_transfers (bool): fail when no rank transfers anything (a rewrite that became
+            local, or none at all, would otherwise pass vacuously). Default: ``True``.
+        **config: ``RingDilatedConfig`` fields (``compiler`` defaults to ``"eager"``).
+
+    Returns:
+        list[Capture]: the captures, one per rank.
+
+    Raises:
+        TypeError: ``model`` is not a list of captures and ``inputs`` is ``None``.
+        AssertionError: the schedules differ or do not pair up, or (with
+            ``expect_transfers``) no rank transfers anything.
+        RuntimeError: a process group is already initialised (``capture_ranks``).
+
+    Example::
+
+        assert_same_p2p_schedule(model, (x,), world=4, segment_lengths=[64, 256],
+                                 dilation_rates=[1, 4], sharding="replicated")
     """
     __tracebackhide__ = True
     if inputs is None and isinstance(model, Sequence):

@@ -28,7 +28,37 @@ __all__ = ["Capture", "capture", "capture_ranks"]
 class Capture:
     """What one ``torch.compile`` run through the ``ring_dilated`` passes produced.
 
-    Every list has one entry per dynamo graph (one per graph break + 1), in compile order.
+    Made by ``capture`` (or ``capture_ranks``, one per rank): the dynamo graphs before and
+    after the passes, the site records, and with ``aot=True`` the AOT graphs the lowering
+    compiler would get. Every graph list has one entry per graph compiled (one per graph break
+    + 1), in compile order.
+
+    Args:
+        before (list[fx.GraphModule]): dynamo graphs as the backend received them (copies
+            taken before the passes ran).
+        after (list[fx.GraphModule]): the same graphs after the passes: what the lowering
+            compiler receives.
+        records (list[SiteRecord]): one record per attention site (site ids restart at 0 in
+            every graph).
+        forward (list[fx.GraphModule]): AOT forward (or inference) graphs, with ``aot=True``.
+            Default: ``[]``.
+        backward (list[fx.GraphModule]): AOT backward graphs, with ``aot=True`` and
+            ``backward=True``. Default: ``[]``.
+        output (Any): what the compiled model returned. Default: ``None``.
+        rank (int): this rank of the config's group. Default: 0.
+        world (int): the size of the config's group. Default: 1.
+
+    Attributes:
+        report (Report): the rewrite report of ``records``.
+        diff() (GraphDiff): ``graph_diff(before, after)``.
+        sites() (list[tuple[int, SiteRecord]]): ``(graph index, record)`` of every site.
+        schedule() (list[Transfer]): the ring transfers in issue order, forward then backward.
+
+    Example::
+
+        cap = capture(model, x, segment_lengths=[64, 256], dilation_rates=[1, 4])
+        print(cap.report)
+        print(cap.diff().text)
     """
 
     before: list[fx.GraphModule]
@@ -81,14 +111,36 @@ def capture(
 ) -> Capture:
     """Run ``model(*args)`` once through ``torch.compile`` with the ``ring_dilated`` passes.
 
-    ``config`` holds ``RingDilatedConfig`` fields; the rewritten graph runs eagerly
-    (``compiler="eager"``) unless another compiler is named. ``aot=True`` lowers through
-    ``aot_eager`` instead of the compiler and keeps its forward / backward graphs (which then
-    run as they are); ``backward=True`` also
-    runs backward on the sum of the outputs that require grad (so the AOT backward graph is
-    compiled and the rewritten backward runs). Dynamo's caches are reset first, so every call
-    compiles afresh; the model itself is not modified. Keyword arguments of the model: pass
+    Resets dynamo's caches (``torch._dynamo.reset()``, so every call compiles afresh), compiles
+    ``model`` with a backend that copies each graph before the passes and keeps it after them,
+    runs it once and returns everything in a ``Capture``. The rewritten graph runs eagerly
+    (``compiler="eager"``) unless another compiler is named; ``aot=True`` lowers through
+    ``aot_eager`` instead and keeps its forward / backward graphs (which then run as they are).
+    The model itself is not modified. For keyword arguments of the model pass
     ``functools.partial(model, **kwargs)``.
+
+    Args:
+        model (Callable): an ``nn.Module`` or a function (positional only).
+        *args: its positional arguments.
+        aot (bool): lower through ``aot_eager`` and keep the AOT graphs. Default: ``False``.
+        backward (bool): also run backward on the sum of the outputs that require grad, so the
+            rewritten backward runs (and with ``aot=True`` its graph is kept). Default: ``False``.
+        fullgraph (bool): as ``torch.compile``'s. Default: ``False``.
+        dynamic (bool, optional): as ``torch.compile``'s. Default: ``None``.
+        **config: ``RingDilatedConfig`` fields; ``compiler`` defaults to ``"eager"``.
+
+    Returns:
+        Capture: the graphs, records and output of the run.
+
+    Raises:
+        ValueError: ``backward=True`` but no output requires grad, or a bad config field.
+        TypeError: a config field that does not exist.
+        torch._dynamo.exc.BackendCompilerFailed: the rewrite raised while compiling.
+
+    Example::
+
+        cap = capture(model, x, segment_lengths=[64, 256], dilation_rates=[1, 4], backward=True)
+        assert cap.diff().removed_by_op == {"scaled_dot_product_attention": 2}
     """
     config.setdefault("compiler", "eager")
     cfg = RingDilatedConfig(**config)
@@ -125,11 +177,34 @@ def capture_ranks(
     backward: bool = True,
     **config: Any,
 ) -> list[Capture]:
-    """``capture`` once per rank ``0 .. world-1`` of a fake process group (no communication).
+    """``capture`` once per rank ``0 .. world-1`` of a fake process group.
 
-    ``inputs`` are the model's arguments on every rank, or a function of the rank that returns
-    them (in ``sharding="sharded"`` mode: the rank's shard). Every rank compiles the same
-    rewrite a real ``torchrun`` rank would, which is what ``assert_same_p2p_schedule`` compares.
+    For each rank, initialises torch's ``"fake"`` process group (no communication: transfers
+    do nothing) as that rank of ``world``, runs ``capture`` and destroys the group again. Every
+    rank compiles the rewrite a real ``torchrun`` rank would, which is what
+    ``assert_same_p2p_schedule`` compares.
+
+    Args:
+        model (Callable): an ``nn.Module`` or a function.
+        inputs (Sequence or Callable[[int], Sequence]): the model's arguments on every rank, or
+            a function of the rank that returns them (in ``sharding="sharded"`` mode: the
+            rank's shard).
+        world (int): the number of ranks. Default: 4.
+        aot (bool): as ``capture``'s. Default: ``True``.
+        backward (bool): as ``capture``'s. Default: ``True``.
+        **config: ``RingDilatedConfig`` fields (without ``group``: the fake WORLD is used).
+
+    Returns:
+        list[Capture]: one capture per rank, rank 0 first.
+
+    Raises:
+        RuntimeError: a process group is already initialised.
+
+    Example::
+
+        caps = capture_ranks(model, lambda rank: (shards[rank],), world=4,
+                             sharding="sharded", segment_lengths=[64, 256], dilation_rates=[1, 4])
+        print([len(c.schedule()) for c in caps])
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore

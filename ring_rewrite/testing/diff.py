@@ -24,7 +24,26 @@ ATTENTION_BWD = ("ring_rewrite.block_attention_backward", "ring_rewrite.dilated_
 
 @dataclasses.dataclass(frozen=True)
 class NodeInfo:
-    """One node of a diff."""
+    """One node removed or added by the passes, as ``GraphDiff`` lists it.
+
+    ``str(node)`` reads ``graph 0 ring_rewrite_fwd_0.name: op [role] (file:line)``.
+
+    Args:
+        graph (int): index of the dynamo graph.
+        module (str): ``""`` for the top-level graph, ``"ring_rewrite_fwd_0."`` for a node of
+            that subgraph.
+        name (str): the node's name.
+        op (str): ``op_label(node)``.
+        location (str): ``file:line`` of the user's code the node came from, or ``"?"``.
+        tag (dict, optional): ``node.meta["ring_rewrite"]`` (``site``, ``role``, ``branch``,
+            ``step``), if any.
+        replaced_by (int, optional): for a removed node, the site whose inserted nodes took its
+            place, if found. Default: ``None``.
+
+    Attributes:
+        role (str or None): ``tag["role"]``.
+        site (int or None): ``tag["site"]``.
+    """
 
     graph: int
     """Index of the dynamo graph."""
@@ -57,7 +76,22 @@ class NodeInfo:
 
 @dataclasses.dataclass(frozen=True)
 class SiteSummary:
-    """What the rewrite did at one attention site (one row of ``GraphDiff.table()``)."""
+    """What the rewrite did at one attention site: one row of ``GraphDiff.site_table()``.
+
+    Args:
+        graph (int): index of the dynamo graph.
+        site (int): the site id within that graph.
+        location (str): module path and ``file:line`` of the site.
+        rewritten (bool): whether the site was rewritten.
+        reason (str or None): why it was left alone (or a rewritten site's note).
+        removed (dict[str, int]): ops removed for the site (the SDPA call, a decomposed
+            module), by op.
+        added_by_role (dict[str, int]): nodes added for the site, subgraphs included, by role.
+        attention (tuple[int, int]): block attention nodes in the forward subgraph and block
+            backward nodes in the backward subgraph.
+        transfers (tuple[int, int]): ring transfers (send/recv and gathers) in the forward and
+            the backward subgraph.
+    """
 
     graph: int
     site: int
@@ -77,11 +111,36 @@ class SiteSummary:
 
 @dataclasses.dataclass
 class GraphDiff:
-    """Nodes removed and added by the passes; ``str()`` is a table, ``.text`` a unified diff.
+    """The nodes the passes removed and added, by op, by role and by attention site.
 
-    Nodes are matched by graph, module, name and op (placeholders and outputs are interfaces,
-    not counted). A node the passes inserted carries ``meta["ring_rewrite"]`` with its site and
-    role: ``untagged`` lists added nodes that do not (there should be none).
+    Made by ``graph_diff`` (or ``Capture.diff()``). Nodes are matched by graph, module, name and
+    op (placeholders and outputs are interfaces, not counted). A node the passes inserted
+    carries ``meta["ring_rewrite"]`` with its site and role; ``untagged`` lists added nodes that
+    do not (there should be none). ``str(diff)`` is ``table()``: a summary line, the per-site
+    table and the op counts that changed; ``.text`` is a unified diff of the graphs' text.
+
+    Args:
+        removed (list[NodeInfo]): nodes in the graphs before but not after.
+        added (list[NodeInfo]): nodes in the graphs after but not before.
+        sites (list[SiteSummary]): one per attention site.
+        ops_before (collections.Counter): op counts before the passes.
+        ops_after (collections.Counter): op counts after the passes.
+        text (str): unified diff of ``graph_text(before)`` and ``graph_text(after)``.
+
+    Attributes:
+        removed_by_op, added_by_op (collections.Counter): nodes by ``op_label``.
+        added_by_role (collections.Counter): added nodes by role (``"(no role)"`` untagged).
+        untagged (list[NodeInfo]): added nodes without a site id and role.
+        ops_changed (dict[str, tuple[int, int]]): ``op -> (count before, count after)`` for
+            every op whose count changed.
+        site_table(), op_table(), table() (str): the tables ``str()`` joins.
+
+    Example::
+
+        diff = capture(model, x, segment_lengths=[64, 256], dilation_rates=[1, 4]).diff()
+        assert diff.removed_by_op == {"scaled_dot_product_attention": 2}
+        assert not diff.untagged
+        print(diff)
     """
 
     removed: list[NodeInfo]
@@ -168,8 +227,28 @@ def _counts(counter: dict[str, int]) -> str:
 def graph_diff(
     before: fx.GraphModule | Sequence[fx.GraphModule], after: fx.GraphModule | Sequence[fx.GraphModule]
 ) -> GraphDiff:
-    """What the passes changed between ``before`` and ``after`` (a graph each, or lists of them
-    paired in order, as ``Capture.before`` / ``Capture.after``)."""
+    """What the passes changed between ``before`` and ``after``.
+
+    Walks every graph with its subgraphs, matches nodes by graph, module, name and op, finds
+    the site each removed node was replaced by (through the nodes that consumed it), and sums
+    one ``SiteSummary`` per site record in the ``after`` graphs' ``meta``.
+
+    Args:
+        before (fx.GraphModule or Sequence[fx.GraphModule]): the graph(s) before the passes.
+        after (fx.GraphModule or Sequence[fx.GraphModule]): the graph(s) after them, paired
+            with ``before`` in order (as ``Capture.before`` / ``Capture.after``).
+
+    Returns:
+        GraphDiff: the nodes removed and added, and a summary per site.
+
+    Raises:
+        ValueError: ``before`` and ``after`` hold different numbers of graphs.
+
+    Example::
+
+        cap = capture(model, x)
+        diff = graph_diff(cap.before, cap.after)   # the same as cap.diff()
+    """
     before_list = [before] if isinstance(before, fx.GraphModule) else list(before)
     after_list = [after] if isinstance(after, fx.GraphModule) else list(after)
     if len(before_list) != len(after_list):

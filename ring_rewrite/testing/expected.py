@@ -17,7 +17,8 @@ from .graphs import graph_text
 __all__ = ["ACCEPT_ENV", "assert_expected_graph"]
 
 ACCEPT_ENV = "RING_REWRITE_ACCEPT"
-"""Set to ``1`` to (re)write the files ``assert_expected_graph`` compares against."""
+"""The environment variable ``RING_REWRITE_ACCEPT``: set it to ``1`` (or ``true``, ``yes``) and
+``assert_expected_graph`` (re)writes the files it compares against instead of failing."""
 
 
 def assert_expected_graph(
@@ -27,14 +28,37 @@ def assert_expected_graph(
     expected: str | None = None,
     subgraphs: bool = True,
 ) -> None:
-    """Assert that ``actual`` prints as the text stored at ``path`` (or as ``expected``).
+    """Assert that ``actual`` prints as the text stored at ``path``, or as ``expected``.
 
-    ``actual`` is a graph module or a list of them (compared as ``graph_text``), a ``GraphDiff``
-    (its table) or a string; ``subgraphs=False`` compares top-level graphs only (see
-    ``graph_text``). With ``RING_REWRITE_ACCEPT=1`` in the environment a file that is
-    missing or different is written with the actual text and the assertion passes: review the
-    change with ``git diff``. Otherwise a mismatch fails with a unified diff, expected to actual.
-    An inline ``expected=`` string cannot be refreshed: the failure shows the text to paste.
+    ``actual`` is turned into stable text (``graph_text``: names, addresses, directories and
+    line numbers normalised) and compared with the stored text, normalised the same way. With
+    ``RING_REWRITE_ACCEPT=1`` (``true``, ``yes``; see ``ACCEPT_ENV``) in the environment a
+    file that is missing or different is written with the actual text (its folders made) and
+    the assertion passes: review the change with ``git diff``, as with ``EXPECTTEST_ACCEPT=1``.
+    Otherwise a mismatch fails with a unified diff, expected to actual. An inline
+    ``expected=`` string cannot be refreshed: the failure shows the text to paste.
+
+    Args:
+        actual (fx.GraphModule, Sequence[fx.GraphModule], GraphDiff or str): a graph or a list
+            of them (compared as ``graph_text``), a ``GraphDiff`` (its table) or a string.
+        path (str or os.PathLike, optional): the file that holds the expected text.
+            Default: ``None``.
+        expected (str, optional): the expected text inline, instead of ``path``.
+            Default: ``None``.
+        subgraphs (bool): ``False`` compares top-level graphs only (see ``graph_text``).
+            Default: ``True``.
+
+    Returns:
+        None.
+
+    Raises:
+        TypeError: neither or both of ``path`` and ``expected`` are given.
+        AssertionError: the text differs, or the file is missing (and accepting is off).
+
+    Example::
+
+        cap = capture(model, x, segment_lengths=[64, 256], dilation_rates=[1, 4])
+        assert_expected_graph(cap.after[0], "expected/block.txt", subgraphs=False)
     """
     __tracebackhide__ = True
     if (path is None) == (expected is None):

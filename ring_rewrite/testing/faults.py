@@ -13,14 +13,48 @@ __all__ = ["InjectedFault", "in_block_kernel"]
 
 
 class InjectedFault(RuntimeError):
-    """A fault a test raised on purpose."""
+    """A fault a test raised on purpose, to tell it from the errors it provokes.
+
+    Raise it from the ``fault`` callable of ``in_block_kernel``; a subclass of
+    ``RuntimeError``.
+
+    Example::
+
+        def fault():
+            raise InjectedFault("block failed")
+    """
 
 
 @contextlib.contextmanager
 def in_block_kernel(fault: Callable[[], object], *, times: int | None = None) -> Iterator[None]:
-    """Call ``fault()`` at the start of this rank's block attention kernel calls (the first
-    ``times`` of them, or all): it may raise (``InjectedFault``), sleep, or exit the process.
-    The kernel runs inside the compiled graph, between a transfer's start and its wait."""
+    """Within the ``with`` block, call ``fault()`` as this rank's block attention starts.
+
+    A context manager for fault tests of a distributed model (docs/semantics.md, Faults;
+    ``tests/test_faults.py``). It replaces the forward of the CPU entry of the block kernel
+    table (``ring_rewrite/kernels.py``) with one that calls ``fault()`` first, for the first
+    ``times`` calls or all of them, and restores it on exit. The kernel runs inside the
+    compiled graph, between a ring transfer's start and its wait, so a fault there leaves the
+    peers waiting on a transfer. ``fault`` may raise (``InjectedFault``), sleep past the
+    timeout, or exit the process.
+
+    Args:
+        fault (Callable[[], object]): what to do; its result is ignored.
+        times (int, optional): how many kernel calls get the fault. Default: ``None`` (all).
+
+    Returns:
+        A context manager (yields ``None``).
+
+    Example::
+
+        # on rank 1 of a ring compiled with timeout=3: the other ranks raise TransferTimeout
+        with in_block_kernel(lambda: time.sleep(4), times=1):
+            attend(q, k, v).sum().backward()
+
+    .. warning::
+        Only the CPU entry's ``forward`` is replaced, which ring blocks call: CUDA inputs, the
+        backward, blocks with dropout and local branches run in place (float32 on CPU, Note
+        [Local branches in place] in ``ring_rewrite/attention.py``) get no fault.
+    """
     kernel = kernels.KERNELS["cpu"]
     left = [times]
 

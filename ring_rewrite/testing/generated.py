@@ -13,9 +13,26 @@ _DIRECTIVE = re.compile(r"^\s*#?\s*(CHECK(?:-[A-Z]+(?:-\d+)?)?:.*)$")
 
 
 def inductor_code(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
-    """``fn()``'s result and the wrapper code of every graph inductor compiled while it ran
-    (``torch._inductor.utils.run_and_get_code``), with inductor's caches off, so that nothing
-    compiled earlier is reused unseen."""
+    """Run ``fn()`` and return its result and the code inductor generated while it ran.
+
+    A wrapper of ``torch._inductor.utils.run_and_get_code`` under ``fresh_cache()``: inductor's
+    caches are off, so nothing compiled earlier is reused unseen. ``fn`` must compile through
+    inductor (``compiler="inductor"``, the default) for there to be code.
+
+    Args:
+        fn (Callable[[], Any]): runs the compiled model (forward, and backward if wanted).
+
+    Returns:
+        tuple[Any, list[str]]: ``fn()``'s result and the wrapper code of every graph inductor
+        compiled, in compile order.
+
+    Example::
+
+        compiled = torch.compile(attend, backend=ring_rewrite.backend(segment_lengths=[64, 256],
+                                                                      dilation_rates=[1, 4]))
+        out, codes = inductor_code(lambda: compiled(q, k, v))
+        assert all(not buffers_in_flight_violations(code) for code in codes)
+    """
     from torch._inductor.utils import fresh_cache, run_and_get_code
 
     with fresh_cache():
@@ -23,10 +40,32 @@ def inductor_code(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
 
 
 def check_code(code: str, checks: str) -> None:
-    """Assert that ``code`` passes ``torch.testing.FileCheck`` with ``checks``: one directive per
-    line (``CHECK:``, ``CHECK-NEXT:``, ``CHECK-NOT:``, ``CHECK-SAME:``, ``CHECK-COUNT-n:``,
-    ``CHECK-DAG:``), each matched in order; a leading ``#`` is optional. Fails with FileCheck's
-    message: what it looked for, and from where."""
+    """Assert that ``code`` passes ``torch.testing.FileCheck`` with ``checks``.
+
+    ``checks`` holds one directive per non-blank line (``CHECK:``, ``CHECK-NEXT:``,
+    ``CHECK-NOT:``, ``CHECK-SAME:``, ``CHECK-COUNT-n:``, ``CHECK-DAG:``), matched in order; a
+    leading ``#`` is optional. Use it on inductor's code where the order of the code that runs
+    matters (a transfer's start before the block that overlaps it, its wait after).
+
+    Args:
+        code (str): the text to check, such as one of ``inductor_code``'s wrapper codes.
+        checks (str): the FileCheck directives, one a line.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: a line that is not a FileCheck directive, or no directive at all.
+        AssertionError: ``code`` fails the checks (FileCheck's message: what it looked for,
+            and from where).
+
+    Example::
+
+        check_code(codes[0], '''
+            CHECK: ring_rewrite.ring_shift_start.default
+            CHECK: ring_rewrite.ring_shift_wait.default
+        ''')
+    """
     __tracebackhide__ = True
     from torch.testing import FileCheck
 
@@ -50,13 +89,32 @@ _CODE_OUT = re.compile(r"\bout=(\w+)")
 
 
 def buffers_in_flight_violations(code: str) -> list[str]:
-    """Where inductor's generated wrapper ``code`` lets a ring transfer's send buffer die, be
-    reused or be written between the transfer's start and its wait, or waits on other buffers
-    than it sent; an empty list when none.
+    """Where inductor's wrapper ``code`` breaks a ring transfer's buffers in flight.
 
-    Reads the wrapper as ``torch._inductor.utils.run_and_get_code`` returns it: a buffer is
-    freed by ``del``, handed on by ``# reuse`` (``bufB = bufA; del bufA``), and written by a C++
-    kernel at a non-``const`` pointer argument or by an extern kernel's ``out=``.
+    Every buffer a transfer sends must stay alive and unwritten from its start
+    (``ring_shift_start``) to its wait (``ring_shift_wait``), and the wait must read the
+    buffers its start sent (Note [Buffers in flight] in ``ring_rewrite/p2p.py``). Reads the
+    wrapper as ``torch._inductor.utils.run_and_get_code`` returns it: a buffer is freed by
+    ``del``, handed on by ``# reuse`` (``bufB = bufA; del bufA``), and written by a C++ kernel
+    at a non-``const`` pointer argument or by an extern kernel's ``out=``. Also reports a
+    wait without a start and a transfer never waited for.
+
+    Args:
+        code (str): one wrapper code, as ``inductor_code`` returns them.
+
+    Returns:
+        list[str]: one line per violation, naming the buffer, the tag and the code line; empty
+        when there is none.
+
+    Example::
+
+        out, codes = inductor_code(lambda: compiled(q, k, v).sum().backward())
+        for code in codes:
+            assert not buffers_in_flight_violations(code)
+
+    .. warning::
+        Knows which arguments a C++ (CPU) kernel writes from its signature only: what a
+        Triton (CUDA) kernel writes is not seen, and it has not been run on CUDA code.
     """
     outputs: dict[str, list[bool]] = {}  # kernel -> per argument: is it written?
     in_flight: dict[str, tuple[str, ...]] = {}  # tag -> buffers sent

@@ -13,10 +13,24 @@ __all__ = ["graph_text", "op_label", "site_body"]
 
 
 def op_label(node: fx.Node) -> str:
-    """A short, version-stable name for what ``node`` computes.
+    """A short name for what ``node`` computes, stable across torch versions.
 
-    ``scaled_dot_product_attention``, ``ring_rewrite.block_attention``, ``aten.mm``,
-    ``Tensor.view`` (a method), ``getitem``, ``get_attr``, ``invoke_subgraph``.
+    The op names ``GraphDiff`` counts and tests assert on: an op overload by its packet's
+    qualified name (``aten.mm``, ``ring_rewrite.block_attention``), a higher-order operator by
+    its name (``invoke_subgraph``), a method as ``Tensor.<name>``, any other function by its
+    ``__name__`` (``scaled_dot_product_attention``, ``getitem``), and ``placeholder``,
+    ``output``, ``get_attr`` and ``call_module`` nodes by their ``op``.
+
+    Args:
+        node (fx.Node): a node of a dynamo or AOT graph.
+
+    Returns:
+        str: the name.
+
+    Example::
+
+        ops = [op_label(n) for n in cap.after[0].graph.nodes]
+        assert "scaled_dot_product_attention" not in ops
     """
     if node.op in ("placeholder", "output", "get_attr", "call_module"):
         return node.op
@@ -46,16 +60,27 @@ _LINENO = re.compile(r"(\.py)(?::|\", line |, line )\d+")
 def graph_text(
     graphs: fx.GraphModule | Sequence[fx.GraphModule] | str, *, subgraphs: bool = True
 ) -> str:
-    """The printed graph(s), normalised so the text is stable across runs and machines.
+    """The printed graph(s), normalised so that the text is stable across runs and machines.
 
     ``print_readable`` (nested subgraph modules such as ``ring_rewrite_fwd_0`` included), then
     ``torch._dynamo.testing.normalize_gm`` (comments with file names go, blank lines squashed),
     then memory addresses, directories, line numbers and ``<eval_with_key>`` counters masked.
-    Several graphs are separated by ``# graph i`` headers. ``subgraphs=False`` leaves out the
-    nested subgraph modules (the rewritten sites' ``ring_rewrite_fwd_N`` / ``_bwd_N``): the
-    top-level graph alone shows which SDPA calls became site nodes, and does not change when
-    the library changes how it computes a site. A string is only stripped of trailing
-    whitespace and memory addresses.
+    Several graphs are separated by ``# graph i`` headers. A string is only stripped of
+    trailing whitespace and memory addresses. What ``assert_expected_graph`` compares.
+
+    Args:
+        graphs (fx.GraphModule, Sequence[fx.GraphModule] or str): the graph(s), or text.
+        subgraphs (bool): ``False`` leaves out the nested subgraph modules (the rewritten
+            sites' ``ring_rewrite_fwd_N`` / ``_bwd_N``): the top-level graph alone shows which
+            SDPA calls became site nodes, and does not change when the library changes how it
+            computes a site. Default: ``True``.
+
+    Returns:
+        str: the text, ending in one newline.
+
+    Example::
+
+        print(graph_text(cap.after, subgraphs=False))
     """
     from torch._dynamo.testing import normalize_gm
 
@@ -99,9 +124,29 @@ def _attr(gm: torch.nn.Module, target: str) -> Any:
 
 
 def site_body(gm: fx.GraphModule, site: int, which: str = "fwd") -> fx.GraphModule:
-    """The graph of a rewritten site's forward (``"fwd"``) or backward (``"bwd"``): the body its
-    ``ring_rewrite_fwd_N`` / ``_bwd_N`` subgraph calls through ``invoke_subgraph``, shared by
-    every site of ``gm`` with the same plan (Note [One body per plan] in ``passes/rewrite_sdpa.py``)."""
+    """The graph of a rewritten site's forward or backward.
+
+    The body that the site's ``ring_rewrite_fwd_N`` / ``_bwd_N`` subgraph calls through
+    ``invoke_subgraph``, shared by every site of ``gm`` with the same plan (Note [One body per
+    plan] in ``passes/rewrite_sdpa.py``).
+
+    Args:
+        gm (fx.GraphModule): a dynamo graph after the passes (``Capture.after[i]``).
+        site (int): the site id within ``gm``.
+        which (str): ``"fwd"`` or ``"bwd"``. Default: ``"fwd"``.
+
+    Returns:
+        fx.GraphModule: the body.
+
+    Raises:
+        AttributeError: ``gm`` has no such subgraph (the site was not rewritten, or
+            ``which`` is neither ``"fwd"`` nor ``"bwd"``).
+
+    Example::
+
+        body = site_body(cap.after[0], 0, "bwd")
+        print(graph_text(body))
+    """
     return getattr(gm, f"ring_rewrite_{which}_{site}").body
 
 

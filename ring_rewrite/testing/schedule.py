@@ -20,7 +20,27 @@ P2P = {"ring_rewrite.ring_shift_start": "send_recv", "ring_rewrite.all_gather_se
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:
-    """One ring transfer as a graph issues it."""
+    """One ring transfer as a graph issues it; ``transfers`` lists them.
+
+    ``str(t)`` reads ``send_recv 262144 1x4x8x16,1x4x8x16 f32 to 1 from 1``: kind, tag, shapes
+    and dtype sent, and the peers of a ring shift.
+
+    Args:
+        graph (str): ``"forward"`` or ``"backward"``.
+        kind (str): ``"send_recv"`` (a ring shift, ``ring_rewrite::ring_shift_start``) or
+            ``"all_gather"`` (``all_gather_seq``).
+        tag (int): the transfer's tag within its site call.
+        shapes (tuple[tuple[int, ...], ...] or None): shapes of the tensors sent (AOT graphs;
+            ``None`` in dynamo subgraphs, which carry no values).
+        dtypes (tuple[torch.dtype, ...] or None): their dtypes.
+        send_to (int or None): the rank sent to, a rank of the ring's process group; ``None``
+            for a gather.
+        recv_from (int or None): the rank received from.
+
+    Attributes:
+        shape (tuple[int, ...] or None): the shape of the first tensor sent.
+        key (tuple): what every rank must agree on: all but the peers.
+    """
 
     graph: str
     """``"forward"`` or ``"backward"``."""
@@ -74,7 +94,20 @@ def transfers(graphs: fx.GraphModule | Iterable[fx.GraphModule], graph: str = "f
 
     Works on AOT graphs and on dynamo graphs (the sites' ``ring_rewrite_fwd_N`` / ``_bwd_N``
     subgraphs and the bodies they call), walking every ``invoke_subgraph`` body at each call.
-    ``graph`` labels the result.
+    A ring shift is counted at its start (its wait only finishes it).
+
+    Args:
+        graphs (fx.GraphModule or Iterable[fx.GraphModule]): the graph(s) to read.
+        graph (str): the label of the result's ``Transfer.graph``. Default: ``"forward"``.
+
+    Returns:
+        list[Transfer]: the transfers in the order the graphs issue them.
+
+    Example::
+
+        cap = capture(model, x, aot=True, backward=True, **config)
+        sent = transfers(cap.forward, "forward") + transfers(cap.backward, "backward")
+        # the same as cap.schedule()
     """
     if isinstance(graphs, fx.GraphModule):
         graphs = [graphs]
