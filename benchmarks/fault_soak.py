@@ -49,7 +49,6 @@ def _soak(rank: int, world: int, args: dict) -> dict:
     torch.set_num_threads(1)
     loop = FaultyLoop(rank, world, TIMEOUT)
     loop.step(0)
-    loop.warm()
     outcomes, memory = [], []
     for step, (fault, culprit, scale) in enumerate(_faults(args, world)):
         outcomes.append(loop.step(1 + step, fault, culprit, scale)[:300])
