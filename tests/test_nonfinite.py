@@ -3,8 +3,9 @@ and backward, exactly the entries it reaches in the float64 function, and the fi
 within bound (docs/semantics.md, Accuracy; Note [Non-finite values] in ``ring_rewrite/
 cpu_kernel.py``). Every path: our CPU kernel (blocks read in place and merged there, gathered
 blocks, the local branches' head chunks, backward tasks shared by threads), aten's kernel
-(float64, a mask), the log-sum-exp merges, and the ring across 2 gloo ranks under inductor
-(blocks, merges, the dK/dV sums on their way home, head chunks).
+(float64, a mask), the log-sum-exp merges, all under inductor on one process, and the ring
+across 2 gloo ranks under inductor (blocks, merges, the dK/dV sums on their way home, head
+chunks).
 
 The float64 function is evaluated pair by pair (``_pairs_reference``), not as
 ``reference_attention`` does it: that one multiplies dense matrices, so where a pair is not
@@ -253,7 +254,7 @@ def test_one_device(variant, monkeypatch):
     if chunk_bytes is not None:
         monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", chunk_bytes)
     seg, rates = config or (None, None)
-    backend = ring_rewrite.backend(segment_lengths=seg, dilation_rates=rates, compiler="aot_eager")
+    backend = ring_rewrite.backend(segment_lengths=seg, dilation_rates=rates)
 
     def attend(q, k, v, mask=None):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
