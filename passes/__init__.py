@@ -5,7 +5,7 @@
 
 from ._fx import location
 from .decompose_mha import decompose_attention_modules
-from .find_sdpa import SdpaSite, find_sdpa_sites, unsupported_reason
+from .find_sdpa import SdpaSite, find_sdpa_sites, sdpa_unsupported_reason
 from .pipeline import NORMALISING, REWRITE, Pass, check_disabled, run_passes
 from .records import SiteRecord, UnsupportedSiteError
 from .rewrite_sdpa import rewrite_sdpa
@@ -23,5 +23,5 @@ __all__ = [
     "location",
     "rewrite_sdpa",
     "run_passes",
-    "unsupported_reason",
+    "sdpa_unsupported_reason",
 ]

@@ -30,8 +30,9 @@ in the order ``norm_first`` gives::
     [layer_norm] -> linear(qkv) -> SDPA -> linear(proj) -> + src -> [layer_norm]
                  -> [layer_norm] -> linear -> relu | gelu -> linear -> + -> [layer_norm]
 
-``find_attention_module_sites`` finds the nodes, ``unsupported_reason`` says why one must stay as
-it is (or None); a node left alone is listed in ``gm.meta["ring_rewrite_sites"]`` with its reason.
+``find_attention_module_sites`` finds the nodes, ``module_unsupported_reason`` says why one must
+stay as it is (or None); a node left alone is listed in ``gm.meta["ring_rewrite_sites"]`` with its
+reason.
 
 Note [Site ids of decomposed modules]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -67,7 +68,7 @@ __all__ = [
     "decompose_attention_modules",
     "find_attention_module_sites",
     "leave_attention_modules_alone",
-    "unsupported_reason",
+    "module_unsupported_reason",
 ]
 
 MHA = "multi_head_attention_forward"
@@ -148,7 +149,7 @@ def bind_module_site(node: fx.Node) -> ModuleSite:
     return ModuleSite(node, kind, args, location(node))
 
 
-def unsupported_reason(site: ModuleSite) -> str | None:
+def module_unsupported_reason(site: ModuleSite) -> str | None:
     """Why ``site`` cannot be spelled out as SDPA plus plain ops, or None."""
     for name in _CONSTANTS[site.kind]:
         if isinstance(site.args[name], fx.Node):
@@ -239,7 +240,7 @@ def decompose_attention_modules(
     """Spell out every supported attention-module node of ``gm`` in place (see the module doc)."""
     todo = []
     for site in find_attention_module_sites(gm):
-        reason = unsupported_reason(site)
+        reason = module_unsupported_reason(site)
         if reason is None:
             todo.append(site)
         else:

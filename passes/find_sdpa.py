@@ -1,8 +1,8 @@
 """Find SDPA sites in a dynamo graph and say which can be rewritten.
 
 Finding is separate from rewriting: ``find_sdpa_sites`` returns one frozen record per
-``F.scaled_dot_product_attention`` node, and ``unsupported_reason`` is the one guard that says
-why a site must stay as it is (or None).
+``F.scaled_dot_product_attention`` node, and ``sdpa_unsupported_reason`` is the one guard that
+says why a site must stay as it is (or None).
 
 Note [Self or cross attention]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -80,7 +80,7 @@ __all__ = [
     "is_caller_input",
     "is_decode_step",
     "local_positions",
-    "unsupported_reason",
+    "sdpa_unsupported_reason",
 ]
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -145,7 +145,7 @@ def bind_sdpa(node: fx.Node) -> SdpaSite:
     )
 
 
-def unsupported_reason(site: SdpaSite) -> str | None:
+def sdpa_unsupported_reason(site: SdpaSite) -> str | None:
     """Why ``site`` cannot be rewritten into dilated attention, or None."""
     for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
         if isinstance(getattr(site, name), fx.Node):
@@ -157,7 +157,7 @@ def unsupported_reason(site: SdpaSite) -> str | None:
         return "query/key/value have no example value in the graph"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"inputs are {q.dim()}-D, not (B, H, N, D)"
-    reason = kernels.unsupported_reason(q, k, v)
+    reason = kernels.kernel_unsupported_reason(q, k, v)
     if reason is not None:
         return reason
     reason = cross_attention_reason(site)
@@ -246,7 +246,7 @@ def decode_reason(site: SdpaSite) -> str | None:
         if isinstance(getattr(site, name), fx.Node):
             return f"{name} is computed at run time (must be a constant)"
     q, k, v = (site.meta(n) for n in (site.query, site.key, site.value))
-    reason = kernels.unsupported_reason(q, k, v)
+    reason = kernels.kernel_unsupported_reason(q, k, v)
     if reason is not None:
         return reason
     if site.dropout_p:

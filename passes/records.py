@@ -71,11 +71,11 @@ def leave_alone(
     """
     if config.strict or sharded(config):
         why = "" if config.strict else "sharded mode cannot leave it alone: "
-        raise UnsupportedSiteError(f"ring_dilated: {what} at {location} cannot {fate}: {why}{reason}")
+        raise UnsupportedSiteError(f"ring_rewrite: {what} at {location} cannot {fate}: {why}{reason}")
     # NOTE: logged, not warnings.warn: that shows a message once per process, and a site left
     # alone must say so at every compile.
     log.warning(
-        "ring_dilated: %s at %s is left alone: it runs as written (plain attention, not dilated, "
+        "ring_rewrite: %s at %s is left alone: it runs as written (plain attention, not dilated, "
         "not across ranks): %s. strict=True makes this an error.", what, location, reason,
     )  # fmt: skip
     counters["ring_rewrite"]["skipped"] += 1

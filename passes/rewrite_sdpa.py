@@ -69,7 +69,7 @@ from ring_rewrite.roles import role
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
 from .find_sdpa import (
     SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
-    is_caller_input, is_decode_step, local_positions, static_strides, unsupported_reason,
+    is_caller_input, is_decode_step, local_positions, sdpa_unsupported_reason, static_strides,
 )  # fmt: skip
 from .masks import MaskStructure, decode_positions, key_mask, key_values, runs, sharded_documents_reason
 from .records import TOUCHED, SiteRecord, leave_alone, records, sharded
@@ -120,7 +120,7 @@ def rewrite_sdpa(
             )
             rewritten += 1
             continue
-        reason = unsupported_reason(site)
+        reason = sdpa_unsupported_reason(site)
         plan = note = structure = None
         if reason is None:
             structure = dense_mask(site)  # a mask read from the graph, or None
@@ -266,7 +266,7 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
             f"{_MAX_PADDING}x the length helps"
         )
         log.warning(
-            "ring_dilated: SDPA at %s runs %s (the same function; %d times the compute and O(N) "
+            "ring_rewrite: SDPA at %s runs %s (the same function; %d times the compute and O(N) "
             "memory per rank)", site.location, note, world,
         )  # fmt: skip
         return build(None, 1, 0, pad=0), note

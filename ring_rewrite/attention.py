@@ -136,8 +136,8 @@ Note [Overlap across branches]
 Within a ring, each step's transfer overlaps that step's blocks. A branch of a high rate has
 few rows per step to hide a transfer behind, but the site's local branches have many: so the
 forward starts every ring's first transfer before any branch computes, and the backward runs
-its rings first and lands their last dK/dV hop (the one with nothing after it in its ring) after
-the local branches computed. The order of the transfers is the same on every rank.
+its rings first and waits for their last dK/dV hop (the one with nothing after it in its ring)
+after the local branches computed. The order of the transfers is the same on every rank.
 
 Note [Padding the sequence]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -272,8 +272,9 @@ class SitePlan:
         return self.n // self.world
 
     @property
-    def gathers(self) -> bool:
-        """Replicated mode across ranks: take the local shard, re-assemble the full result."""
+    def replicated(self) -> bool:
+        """Replicated mode across ranks: every rank holds the whole sequence, so the site takes
+        its rank's shard of the inputs and gathers its outputs (and gradients) whole again."""
         return self.world > 1 and self.sharding == "replicated"
 
     def head_chunks(self, branch: BranchPlan) -> int:
@@ -336,7 +337,7 @@ class SitePlan:
 
 
 def _local(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
-    if not plan.gathers:
+    if not plan.replicated:
         return x
     return take_shard(x, 2, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
 
@@ -461,7 +462,7 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block):
     return rows
 
 
-def _held(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def _kv_and_bias(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The K/V a ring step holds, and their key bias if one travels with them."""
     return kv[:2], (kv[2] if len(kv) > 2 else None)
 
@@ -566,26 +567,26 @@ def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
 
 
-def _chunk_kv(kd, vd, bias, qh: slice, kh: slice) -> list[torch.Tensor]:
+def _chunk_kv(k_dilated, v_dilated, bias, qh: slice, kh: slice) -> list[torch.Tensor]:
     """The K/V (and key bias) a head chunk sends round its ring."""
-    return [kd[:, kh], vd[:, kh]] + ([] if bias is None else [bias[:, qh]])
+    return [k_dilated[:, kh], v_dilated[:, kh]] + ([] if bias is None else [bias[:, qh]])
 
 
-def _first_transfer(plan, ring, i, branch, kind, kd, vd, bias):
+def _first_transfer(plan, ring, i, branch, kind, k_dilated, v_dilated, bias):
     """Start the first head chunk's step-0 transfer of a ring branch (Note [Overlap across
     branches])."""
     qh, kh = _chunks(plan, branch)[0]
     with role("p2p", branch=i, step=0):
-        return ring.start(_chunk_kv(kd, vd, bias, qh, kh), kind, 0, 0)
+        return ring.start(_chunk_kv(k_dilated, v_dilated, bias, qh, kh), kind, 0, 0)
 
 
-def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, first, seed, docs):
+def _ring_forward(plan, ring, i, branch, q_dilated, k_dilated, v_dilated, bias, first, seed, docs):
     """Out and lse of one ring branch, dilated, one head chunk after another; ``first`` is the
     first chunk's step-0 transfer, already started."""
     outs, lses = [], []
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         out, lse = _ring_forward_chunk(
-            plan, ring, i, c, branch, qd[:, qh], _chunk_kv(kd, vd, bias, qh, kh),
+            plan, ring, i, c, branch, q_dilated[:, qh], _chunk_kv(k_dilated, v_dilated, bias, qh, kh),
             first if c == 0 else None, seed, docs, qh,
         )  # fmt: skip
         outs.append(out)
@@ -593,7 +594,7 @@ def _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, first, seed, docs):
     return _cat_heads(outs), _cat_heads(lses)
 
 
-def _ring_forward_chunk(plan, ring, i, c, branch, qd, kv, first, seed, docs, qh):
+def _ring_forward_chunk(plan, ring, i, c, branch, q_dilated, kv, first, seed, docs, qh):
     """Out and lse of one head chunk of a ring branch; K/V travel while each step computes, and
     so does their key bias (a mask), if any (``kv``; ``first``: the step-0 transfer, if started)."""
     layout = branch.layout
@@ -605,16 +606,16 @@ def _ring_forward_chunk(plan, ring, i, c, branch, qd, kv, first, seed, docs, qh)
             with role("p2p", branch=i, step=step):
                 flight = first if step == 0 and first is not None else ring.start(kv, KV, step, c)
         computed = []
-        held, held_bias = _held(kv)
+        step_kv, step_bias = _kv_and_bias(kv)
         for j, blk in enumerate(blocks):
-            band = _band_args(plan, branch, blk, step, qd, docs, qh)
+            band = _band_args(plan, branch, blk, step, q_dilated, docs, qh)
             if band is None:
                 continue
             with role("attention", branch=i, step=step):
                 out, lse = torch.ops.ring_rewrite.block_attention(
-                    _rows(qd, layout, blk.q0, blk.q1),
-                    *_kv_rows(plan, layout, held, blk),
-                    None if held_bias is None else _rows(held_bias, layout, blk.k0, blk.k1, dim=3),
+                    _rows(q_dilated, layout, blk.q0, blk.q1),
+                    *_kv_rows(plan, layout, step_kv, blk),
+                    None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
                     plan.scale,
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
@@ -662,7 +663,7 @@ def _parts(layout, p0: int, p1: int, out, lse) -> dict:
     return {(part, part + 1): piece for part, piece in zip(range(p0, p1), pieces)}
 
 
-def _local_in_place_forward(plan: SitePlan, ql, kl, vl) -> tuple[list, list]:
+def _local_in_place_forward(plan: SitePlan, q_local, k_local, v_local) -> tuple[list, list]:
     """The out and lse of every local branch merged, where each reads its rows in place and
     merges its results into the running ones (Note [Local branches in place])."""
     local = [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
@@ -670,14 +671,15 @@ def _local_in_place_forward(plan: SitePlan, ql, kl, vl) -> tuple[list, list]:
     shape = (plan.batch, plan.hq, plan.n_local)
     with role("merge"):
         if write:
-            out, lse = ql.new_empty((*shape, plan.dv)), ql.new_empty(shape, dtype=plan.stat_dtype)
+            out, lse = q_local.new_empty((*shape, plan.dv)), q_local.new_empty(shape, dtype=plan.stat_dtype)
         else:
-            out, lse = ql.new_zeros((*shape, plan.dv)), ql.new_full(shape, _NEG_INF, dtype=plan.stat_dtype)
+            out, lse = q_local.new_zeros((*shape, plan.dv)), q_local.new_full(shape, _NEG_INF, dtype=plan.stat_dtype)
     for j, (i, branch) in enumerate(local):
         with role("attention", branch=i):
             torch.ops.ring_rewrite.dilated_block_attention(
-                out, lse, ql, kl, vl, _fields(branch.layout), plan.scale, plan.is_causal, write and j == 0
-            )
+                out, lse, q_local, k_local, v_local, _fields(branch.layout), plan.scale, plan.is_causal,
+                write and j == 0,
+            )  # fmt: skip
     return [out], [lse]
 
 
@@ -687,54 +689,56 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout."""
     rotater = Rotater(plan.group_name, token)
     with role("shard"):
-        qp, kp, vp = _padded(plan, q, k, v)
-        mp = _padded_keys(plan, q, mask)
-        ql, kl, vl = _local(plan, qp), _local(plan, kp), _local(plan, vp)
-        ml = None if mp is None else _local(plan, mp)
-        dp = None if docs is None else _padded(plan, docs)[0]
+        q_padded, k_padded, v_padded = _padded(plan, q, k, v)
+        mask_padded = _padded_keys(plan, q, mask)
+        q_local, k_local, v_local = _local(plan, q_padded), _local(plan, k_padded), _local(plan, v_padded)
+        mask_local = None if mask_padded is None else _local(plan, mask_padded)
+        docs_padded = None if docs is None else _padded(plan, docs)[0]
     rings = {}  # ring branches: their inputs, their first transfer on its way
     for i, branch in enumerate(plan.branches):
         if not branch.is_local:
             with role("dilate", branch=i):
-                (qd,) = _dilated(plan, branch.layout, ql, rows=True)
-                kd, vd = _dilated(plan, branch.layout, kl, vl, kv=True, rows=True)
-                bias = _branch_bias(plan, branch, ql, ml)
+                (q_dilated,) = _dilated(plan, branch.layout, q_local, rows=True)
+                k_dilated, v_dilated = _dilated(plan, branch.layout, k_local, v_local, kv=True, rows=True)
+                bias = _branch_bias(plan, branch, q_local, mask_local)
             ring = _ring(rotater, i, branch)
-            first = _first_transfer(plan, ring, i, branch, KV, kd, vd, bias)
-            rings[i] = (ring, qd, kd, vd, bias, first)
+            first = _first_transfer(plan, ring, i, branch, KV, k_dilated, v_dilated, bias)
+            rings[i] = (ring, q_dilated, k_dilated, v_dilated, bias, first)
     outs, lses = [], []
     if plan.local_in_place:
-        outs, lses = _local_in_place_forward(plan, ql, kl, vl)
+        outs, lses = _local_in_place_forward(plan, q_local, k_local, v_local)
     for i, branch in enumerate(plan.branches):
         layout = branch.layout
         if branch.is_local and plan.local_in_place:
             continue
         if branch.is_local:
             with role("dilate", branch=i):
-                (qd,) = _dilated(plan, layout, ql)
-                kd, vd = _dilated(plan, layout, kl, vl, kv=True)
-                bias = _branch_bias(plan, branch, ql, ml)
+                (q_dilated,) = _dilated(plan, layout, q_local)
+                k_dilated, v_dilated = _dilated(plan, layout, k_local, v_local, kv=True)
+                bias = _branch_bias(plan, branch, q_local, mask_local)
             ((blk,),) = branch.steps
             with role("attention", branch=i):
-                od, lsed = torch.ops.ring_rewrite.block_attention(
-                    qd, kd, vd, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
-                    **_band_args(plan, branch, blk, None, qd, dp),
+                out_dilated, lse_dilated = torch.ops.ring_rewrite.block_attention(
+                    q_dilated, k_dilated, v_dilated, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
+                    **_band_args(plan, branch, blk, None, q_dilated, docs_padded),
                 )
         else:
-            ring, qd, kd, vd, bias, first = rings.pop(i)
-            od, lsed = _ring_forward(plan, ring, i, branch, qd, kd, vd, bias, first, seed, dp)
-            od, lsed = _from_rows(od, layout), _from_rows(lsed, layout)
+            ring, q_dilated, k_dilated, v_dilated, bias, first = rings.pop(i)
+            out_dilated, lse_dilated = _ring_forward(
+                plan, ring, i, branch, q_dilated, k_dilated, v_dilated, bias, first, seed, docs_padded
+            )
+            out_dilated, lse_dilated = _from_rows(out_dilated, layout), _from_rows(lse_dilated, layout)
         with role("undilate", branch=i):
-            outs.append(layout.undilate_q(od))
-            lses.append(layout.undilate_q(lsed.unsqueeze(-1), _NEG_INF).squeeze(-1))
+            outs.append(layout.undilate_q(out_dilated))
+            lses.append(layout.undilate_q(lse_dilated.unsqueeze(-1), _NEG_INF).squeeze(-1))
     with role("merge"):
         out, lse = merge_partials(outs, lses)
         out = out.to(plan.dtype)
     saved = [q, k, v, out, lse]
-    if plan.gathers:
+    if plan.replicated:
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
-            out = _unpadded(plan, _gather(plan, rotater, out, 0, _probe(plan, qp)))
+            out = _unpadded(plan, _gather(plan, rotater, out, 0, _probe(plan, q_padded)))
     with role("p2p"):
         rotater.close([out, lse])  # the forward's call ends; its token goes to the backward
     saved += [x for x in (mask, docs, rotater.token, seed) if x is not None]
@@ -744,53 +748,60 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
 # ---- backward ------------------------------------------------------------------------------
 
 
-def _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, docs):
+def _ring_backward(
+    plan, ring, i, branch, dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias, seed,
+    docs,
+):  # fmt: skip
     """dq and, back at their owner, dk and dv of one ring branch (all dilated, ``stat_dtype``), one
     head chunk after another.
 
     NOTE: a chunk's dK/dV make their last hop home while the next chunk's first step computes
-    (``landing``); the last chunk's last hop is the caller's to land (``_ring_landed``), after
-    compute it overlaps (Note [Overlap across branches]). Returns ``(dq, landed, landing)``.
+    (``last_hop``); the last chunk's last hop is the caller's to wait for (``_ring_dkv``), after
+    compute it overlaps (Note [Overlap across branches]). Returns ``(dq, dkv_chunks, last_hop)``:
+    ``dkv_chunks`` the dk and dv of every chunk but the last, at their owner.
     """
-    dqs, dkvs = [], []
-    landing = None  # the previous chunk's dK/dV on their way home (_land)
+    dqs, dkv_chunks = [], []
+    last_hop = None  # the previous chunk's dK/dV on their way home (_dkv_at_owner)
     for c, (qh, kh) in enumerate(_chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
-        dq, landed, landing = _ring_backward_chunk(
-            plan, ring, i, c, branch, heads, dod[:, qh], qd[:, qh], kd[:, kh], vd[:, kh],
-            od[:, qh], lsed[:, qh], None if bias is None else bias[:, qh], seed, landing, docs, qh,
+        dq, prev_dkv, last_hop = _ring_backward_chunk(
+            plan, ring, i, c, branch, heads, dout_dilated[:, qh], q_dilated[:, qh], k_dilated[:, kh],
+            v_dilated[:, kh], out_dilated[:, qh], lse_dilated[:, qh], None if bias is None else bias[:, qh],
+            seed, last_hop, docs, qh,
         )  # fmt: skip
         dqs.append(dq)
-        if landed is not None:
-            dkvs.append(landed)
-    return _cat_heads(dqs), dkvs, landing
+        if prev_dkv is not None:
+            dkv_chunks.append(prev_dkv)
+    return _cat_heads(dqs), dkv_chunks, last_hop
 
 
-def _ring_landed(plan, ring, i, branch, landed, landing, after) -> list[torch.Tensor]:
+def _ring_dkv(plan, ring, i, branch, dkv_chunks, last_hop, after) -> list[torch.Tensor]:
     """dk and dv of a ring branch once its last chunk's accumulators are home, waited for after
     ``after``."""
-    landed = [*landed, _land(plan, ring, i, branch, landing, after)]
-    return [_cat_heads(list(g)) for g in zip(*landed)]
+    dkv_chunks = [*dkv_chunks, _dkv_at_owner(plan, ring, i, branch, last_hop, after)]
+    return [_cat_heads(list(g)) for g in zip(*dkv_chunks)]
 
 
-def _land(plan, ring, i, branch, landing, after):
+def _dkv_at_owner(plan, ring, i, branch, last_hop, after):
     """A chunk's dk and dv at their owner: what its own K/V gave at step 0, which stayed home,
-    plus the accumulator of every other rank's share, arriving on its last hop. ``landing`` is
+    plus the accumulator of every other rank's share, arriving on its last hop. ``last_hop`` is
     ``(the accumulator's last hop in flight, the step-0 share)``."""
-    flight, home = landing
+    flight, own_share = last_hop
     with role("p2p", branch=i, step=len(branch.ring) - 1):
         got = ring.wait(flight, after)
     with role("merge", branch=i):
         rows = branch.layout.nseg * branch.layout.m
-        return [_add_rows(plan, a, b, 0, rows) for a, b in zip(got, home)]
+        return [_add_rows(plan, a, b, 0, rows) for a, b in zip(got, own_share)]
 
 
 def _ring_backward_chunk(
-    plan, ring, i, c, branch, heads, dod, qd, kd, vd, od, lsed, bias, seed, landing, docs, qh
-):
-    """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (which landed
-    during this chunk's first step; None for the first chunk), and this chunk's dk and dv still
-    on their last hop home: ``(dq, landed, landing)`` (``_land``).
+    plan, ring, i, c, branch, heads, dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias,
+    seed, prev_hop, docs, qh,
+):  # fmt: skip
+    """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (whose last hop,
+    ``prev_hop``, arrived during this chunk's first step; None for the first chunk), and this
+    chunk's dk and dv still on their last hop home: ``(dq, prev_dkv, last_hop)``
+    (``_dkv_at_owner``).
 
     NOTE: dK/dV travel one step behind K/V, from the first rank that holds them on: the step-0
     share of a rank's own K/V stays home, so an accumulator makes ``G - 1`` hops (the last one
@@ -799,11 +810,11 @@ def _ring_backward_chunk(
     layout = branch.layout
     hkv = heads[1]
     rows = layout.nseg * layout.m
-    kv = [kd, vd] if bias is None else [kd, vd, bias]
-    home = None  # dK/dV of this rank's own K/V from step 0: they never leave
+    kv = [k_dilated, v_dilated] if bias is None else [k_dilated, v_dilated, bias]
+    own_share = None  # dK/dV of this rank's own K/V from step 0: they never leave
     dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
     dkv_flight = None  # the accumulators on their way to the next rank
-    landed = None
+    prev_dkv = None
     dq = None
     last = len(branch.ring) - 1
     for step, blocks in enumerate(branch.steps):
@@ -812,53 +823,54 @@ def _ring_backward_chunk(
                 kv_flight = ring.start(kv, KV_BACK, step, c)
         computed = []
         shares = []  # (first key row, dk, dv) of each block
-        held, held_bias = _held(kv)
+        step_kv, step_bias = _kv_and_bias(kv)
         for j, blk in enumerate(blocks):
-            band = _band_args(plan, branch, blk, step, qd, docs, qh)
+            band = _band_args(plan, branch, blk, step, q_dilated, docs, qh)
             if band is None:
                 continue
             with role("attention_backward", branch=i, step=step):
-                dqb, dkb, dvb = torch.ops.ring_rewrite.block_attention_backward(
-                    *(_rows(x, layout, blk.q0, blk.q1) for x in (dod, qd)),
-                    *_kv_rows(plan, layout, held, blk),
-                    *(_rows(x, layout, blk.q0, blk.q1) for x in (od, lsed)),
-                    None if held_bias is None else _rows(held_bias, layout, blk.k0, blk.k1, dim=3),
+                dq_block, dk_block, dv_block = torch.ops.ring_rewrite.block_attention_backward(
+                    *(_rows(x, layout, blk.q0, blk.q1) for x in (dout_dilated, q_dilated)),
+                    *_kv_rows(plan, layout, step_kv, blk),
+                    *(_rows(x, layout, blk.q0, blk.q1) for x in (out_dilated, lse_dilated)),
+                    None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
                     plan.scale,
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
                     **band,
                 )
-            computed += [dqb, dkb, dvb]
-            shares.append((blk.k0 * layout.m, dkb, dvb))
+            computed += [dq_block, dk_block, dv_block]
+            shares.append((blk.k0 * layout.m, dk_block, dv_block))
             with role("merge", branch=i, step=step):
-                dq = _add_rows(plan, dq, dqb, blk.q0 * layout.m, rows)
-        if landing is not None:
-            landed = _land(plan, ring, i, branch, landing, computed)
-            landing = None
+                dq = _add_rows(plan, dq, dq_block, blk.q0 * layout.m, rows)
+        if prev_hop is not None:
+            prev_dkv = _dkv_at_owner(plan, ring, i, branch, prev_hop, computed)
+            prev_hop = None
         if step > 1:
             # The accumulators sent last step (they moved during this step's compute) belong to
             # the K/V held now.
             with role("p2p", branch=i, step=step):
                 dkv = ring.wait(dkv_flight, computed)
         with role("merge", branch=i, step=step):
-            here = None if step == 0 else dkv
-            if here is None and not shares and step <= 1:
+            step_dkv = None if step == 0 else dkv
+            if step_dkv is None and not shares and step <= 1:
                 # Step 0 keeps a share of its own, step 1 starts the accumulators: touched or not.
                 shape = (layout.batch, hkv, rows)
-                here = [kd.new_zeros((*shape, ch), dtype=plan.stat_dtype) for ch in (plan.d, plan.dv)]
-            for start, dkb, dvb in shares:
-                here = [_add_rows(plan, a, x, start, rows) for a, x in zip(here or (None, None), (dkb, dvb))]
+                step_dkv = [k_dilated.new_zeros((*shape, ch), dtype=plan.stat_dtype) for ch in (plan.d, plan.dv)]
+            for start, dk_block, dv_block in shares:
+                sums = step_dkv or (None, None)
+                step_dkv = [_add_rows(plan, a, x, start, rows) for a, x in zip(sums, (dk_block, dv_block))]
             if step == 0:
-                home = here
+                own_share = step_dkv
             else:
-                dkv = here
+                dkv = step_dkv
         if step > 0:
             with role("p2p", branch=i, step=step):
                 dkv_flight = ring.start(dkv, DKV, step, c)
         if step < last:
             with role("p2p", branch=i, step=step):
                 kv = ring.wait(kv_flight, computed)
-    return dq, landed, (dkv_flight, home)
+    return dq, prev_dkv, (dkv_flight, own_share)
 
 
 def _add_rows(plan: SitePlan, total, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
@@ -880,39 +892,44 @@ def _add_rings_dq(plan: SitePlan, dq, rings: list, qh: slice, start: int = 0):
     """``dq`` (None: a new one; its heads ``qh`` from ``start`` on) plus query heads ``qh`` of
     the rings' dilated dq, ``rings`` as ``(branch index, layout, dq)``."""
     whole = qh == slice(0, plan.hq)
-    for i, layout, dqd in rings:
+    for i, layout, dq_dilated in rings:
         with role("undilate", branch=i):
             if not whole:  # kernel heads of whole kv heads are those of the same query heads
-                layout, dqd = layout.heads(qh.start, qh.stop), dqd[:, qh]
-            dq = _undilate_add(plan, dq, dqd, layout, rows=True, start=start)
+                layout, dq_dilated = layout.heads(qh.start, qh.stop), dq_dilated[:, qh]
+            dq = _undilate_add(plan, dq, dq_dilated, layout, rows=True, start=start)
     return dq
 
 
-def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, rings):
+def _local_backward(
+    plan: SitePlan, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings
+):  # fmt: skip
     """dq, dk, dv summed over the local branches and the rings' dilated dq (``_add_rings_dq``),
     one head chunk after another (Note [Head chunks of local branches]), and the buffers whose
     compute the rings' last dK/dV hops wait for."""
     if plan.local_in_place:
-        return _local_in_place_backward(plan, dol, ql, kl, vl, out, lse, rings)
+        return _local_in_place_backward(plan, dout_local, q_local, k_local, v_local, out, lse, rings)
     chunks = plan.local_chunks()
     if len(chunks) == 1:
-        return _local_chunk(plan, *chunks[0], dol, ql, kl, vl, out, lse, ml, seed, docs, rings, ())
+        return _local_chunk(
+            plan, *chunks[0], dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings, ()
+        )
     # A chunk's sums are final in the input dtype (rounded once), but for dK/dV to which the
     # rings' last hops still add (in stat_dtype).
     kv_dtype = plan.stat_dtype if any(not b.is_local for b in plan.branches) else plan.dtype
     with role("merge"):
         totals = [
-            ql.new_empty((plan.batch, plan.hq, plan.n_local, plan.d)),
-            kl.new_empty((plan.batch, plan.hkv, plan.n_local, plan.d), dtype=kv_dtype),
-            vl.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
+            q_local.new_empty((plan.batch, plan.hq, plan.n_local, plan.d)),
+            k_local.new_empty((plan.batch, plan.hkv, plan.n_local, plan.d), dtype=kv_dtype),
+            v_local.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
         ]
     # Sums in the input dtype add up in the totals, a chunk's heads in place; wider ones are a
     # chunk's own, cast once into the totals.
     into = totals if plan.dtype == plan.stat_dtype else None
     for c, (qh, kh) in enumerate(chunks):
         *sums, _ = _local_chunk(
-            plan, qh, kh, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, totals if c else (), into
-        )
+            plan, qh, kh, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings,
+            totals if c else (), into,
+        )  # fmt: skip
         if into is not None:
             continue
         with role("merge"):
@@ -921,26 +938,27 @@ def _local_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, ml, seed, docs, r
     return (*totals, totals)
 
 
-def _local_in_place_backward(plan: SitePlan, dol, ql, kl, vl, out, lse, rings):
+def _local_in_place_backward(plan: SitePlan, dout_local, q_local, k_local, v_local, out, lse, rings):
     """``_local_backward`` where every local branch reads its rows in place and adds its
     gradients into the site's (Note [Local branches in place])."""
     local = [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
     write = local[0][1].layout.r == 1  # it writes every position (no padding here)
     with role("merge"):
         new = torch.empty_like if write else torch.zeros_like
-        totals = [new(x, memory_format=torch.contiguous_format) for x in (ql, kl, vl)]
+        totals = [new(x, memory_format=torch.contiguous_format) for x in (q_local, k_local, v_local)]
     for j, (i, branch) in enumerate(local):
         with role("attention_backward", branch=i):
             torch.ops.ring_rewrite.dilated_block_backward(
-                *totals, dol, ql, kl, vl, out, lse, _fields(branch.layout), plan.scale, plan.is_causal,
-                write and j == 0,
+                *totals, dout_local, q_local, k_local, v_local, out, lse, _fields(branch.layout), plan.scale,
+                plan.is_causal, write and j == 0,
             )  # fmt: skip
     dq = _add_rings_dq(plan, totals[0], rings, slice(0, plan.hq))
     return dq, totals[1], totals[2], totals
 
 
 def _local_chunk(
-    plan: SitePlan, qh: slice, kh: slice, dol, ql, kl, vl, out, lse, ml, seed, docs, rings, before, into=None
+    plan: SitePlan, qh: slice, kh: slice, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs,
+    rings, before, into=None,
 ):  # fmt: skip
     """dq, dk, dv of query heads ``qh`` (kv heads ``kh``) summed over the local branches and the
     ``rings``' dq (``_add_rings_dq``), and the blocks' gradients; the blocks run once ``before``
@@ -960,26 +978,30 @@ def _local_chunk(
             continue
         layout = branch.layout if whole else branch.layout.heads(qh.start, qh.stop)
         chunk = branch if whole else dataclasses.replace(branch, layout=layout)
-        q_heads = heads(ql, qh)
-        mask = None if ml is None else heads(ml.expand(-1, plan.hq, -1), qh)  # (B|1, Hq|1, N)
+        q_heads = heads(q_local, qh)
+        mask = None if mask_local is None else heads(mask_local.expand(-1, plan.hq, -1), qh)  # (B|1, Hq|1, N)
         with role("dilate", branch=i):
-            qd, dod, od = _dilated(plan, layout, q_heads, heads(dol, qh), heads(out, qh))
-            kd, vd = _dilated(plan, layout, heads(kl, kh), heads(vl, kh), kv=True)
-            (lsed,) = _dilated(plan, layout, heads(lse, qh).unsqueeze(-1), fill=float("inf"), dtype=plan.stat_dtype)
-            lsed = lsed.squeeze(-1)
+            q_dilated, dout_dilated, out_dilated = _dilated(
+                plan, layout, q_heads, heads(dout_local, qh), heads(out, qh)
+            )
+            k_dilated, v_dilated = _dilated(plan, layout, heads(k_local, kh), heads(v_local, kh), kv=True)
+            (lse_dilated,) = _dilated(
+                plan, layout, heads(lse, qh).unsqueeze(-1), fill=float("inf"), dtype=plan.stat_dtype
+            )
+            lse_dilated = lse_dilated.squeeze(-1)
             bias = _branch_bias(plan, chunk, q_heads, mask)
-        lsed = _after(lsed, *before)
+        lse_dilated = _after(lse_dilated, *before)
         ((blk,),) = branch.steps
         with role("attention_backward", branch=i):
-            dqd, dkd, dvd = torch.ops.ring_rewrite.block_attention_backward(
-                dod, qd, kd, vd, od, lsed, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
-                **_band_args(plan, chunk, blk, None, qd, docs),
-            )
-        computed += [dqd, dkd, dvd]
+            dq_dilated, dk_dilated, dv_dilated = torch.ops.ring_rewrite.block_attention_backward(
+                dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias, plan.scale,
+                plan.is_causal, *_drop(plan, seed, i), **_band_args(plan, chunk, blk, None, q_dilated, docs),
+            )  # fmt: skip
+        computed += [dq_dilated, dk_dilated, dv_dilated]
         with role("undilate", branch=i):
-            dq = _undilate_add(plan, dq, dqd, layout, start=starts[0], zero=zero)
-            dk = _undilate_add(plan, dk, dkd, layout, kv=True, start=starts[1], zero=zero)
-            dv = _undilate_add(plan, dv, dvd, layout, kv=True, start=starts[1], zero=zero)
+            dq = _undilate_add(plan, dq, dq_dilated, layout, start=starts[0], zero=zero)
+            dk = _undilate_add(plan, dk, dk_dilated, layout, kv=True, start=starts[1], zero=zero)
+            dv = _undilate_add(plan, dv, dv_dilated, layout, kv=True, start=starts[1], zero=zero)
         zero = None
     return _add_rings_dq(plan, dq, rings, qh, starts[0]), dk, dv, computed
 
@@ -993,42 +1015,49 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
     with role("shard"):
         padded = _padded(plan, q, k, v, dout)
-        mp = _padded_keys(plan, q, mask)
-        ql, kl, vl, dol = (_local(plan, x) for x in padded)
-        ml = None if mp is None else _local(plan, mp)
-        dp = None if docs is None else _padded(plan, docs)[0]
+        mask_padded = _padded_keys(plan, q, mask)
+        q_local, k_local, v_local, dout_local = (_local(plan, x) for x in padded)
+        mask_local = None if mask_padded is None else _local(plan, mask_padded)
+        docs_padded = None if docs is None else _padded(plan, docs)[0]
     dk = dv = None
     rings = []  # each ring branch's dilated dq, added where the local branches' are
-    landing = {}  # ring branches whose last dK/dV are on their way home
-    # Ring branches first: their last hops land while the local branches compute.
+    pending_dkv = {}  # ring branches whose last dK/dV are on their way home
+    # Ring branches first: their last hops travel while the local branches compute.
     for i, branch in enumerate(plan.branches):
         if branch.is_local:
             continue
         layout = branch.layout
         with role("dilate", branch=i):
-            qd, dod, od = _dilated(plan, layout, ql, dol, out, rows=True)
-            kd, vd = _dilated(plan, layout, kl, vl, kv=True, rows=True)
-            (lsed,) = _dilated(plan, layout, lse.unsqueeze(-1), rows=True, fill=float("inf"), dtype=plan.stat_dtype)
-            lsed = lsed.squeeze(-1)
-            bias = _branch_bias(plan, branch, ql, ml)
+            q_dilated, dout_dilated, out_dilated = _dilated(plan, layout, q_local, dout_local, out, rows=True)
+            k_dilated, v_dilated = _dilated(plan, layout, k_local, v_local, kv=True, rows=True)
+            (lse_dilated,) = _dilated(
+                plan, layout, lse.unsqueeze(-1), rows=True, fill=float("inf"), dtype=plan.stat_dtype
+            )
+            lse_dilated = lse_dilated.squeeze(-1)
+            bias = _branch_bias(plan, branch, q_local, mask_local)
         ring = _ring(rotater, i, branch)
-        dqd, landed, last = _ring_backward(plan, ring, i, branch, dod, qd, kd, vd, od, lsed, bias, seed, dp)
-        landing[i] = (ring, landed, last)
-        rings.append((i, layout, dqd))
-    computed = []  # what the local branches computed, after which the rings' last hops land
+        dq_dilated, dkv_chunks, last_hop = _ring_backward(
+            plan, ring, i, branch, dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias,
+            seed, docs_padded,
+        )  # fmt: skip
+        pending_dkv[i] = (ring, dkv_chunks, last_hop)
+        rings.append((i, layout, dq_dilated))
+    computed = []  # what the local branches computed, after which the rings' last hops are waited for
     if any(branch.is_local for branch in plan.branches):
-        dq, dk, dv, computed = _local_backward(plan, dol, ql, kl, vl, out, lse, ml, seed, dp, rings)
+        dq, dk, dv, computed = _local_backward(
+            plan, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs_padded, rings
+        )
     else:
         dq = _add_rings_dq(plan, None, rings, slice(0, plan.hq))
-    for i, (ring, landed, last) in landing.items():
+    for i, (ring, dkv_chunks, last_hop) in pending_dkv.items():
         branch = plan.branches[i]
-        dkd, dvd = _ring_landed(plan, ring, i, branch, landed, last, computed)
+        dk_dilated, dv_dilated = _ring_dkv(plan, ring, i, branch, dkv_chunks, last_hop, computed)
         with role("undilate", branch=i):
-            dk = _undilate_add(plan, dk, dkd, branch.layout, kv=True, rows=True)
-            dv = _undilate_add(plan, dv, dvd, branch.layout, kv=True, rows=True)
+            dk = _undilate_add(plan, dk, dk_dilated, branch.layout, kv=True, rows=True)
+            dv = _undilate_add(plan, dv, dv_dilated, branch.layout, kv=True, rows=True)
     with role("undilate"):
         grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
-    if plan.gathers:
+    if plan.replicated:
         with role("shard"):
             for j, g in enumerate(grads):
                 grads[j] = _unpadded(plan, _gather(plan, rotater, g, 1 + j))

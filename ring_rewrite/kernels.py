@@ -1,9 +1,9 @@
 """Block attention kernels by device: the one table that says what runs a block, and where.
 
 ``ring_rewrite::block_attention`` and its backward (``ops.py``) call the entry of their inputs'
-device; the finder (``passes/find_sdpa.py``) asks ``unsupported_reason`` whether a site's inputs
-can run at all; a site's plan asks ``compute_dtype`` what its blocks compute in. A new device is
-one ``BlockKernel`` in ``KERNELS``.
+device; the finder (``passes/find_sdpa.py``) asks ``kernel_unsupported_reason`` whether a site's
+inputs can run at all; a site's plan asks ``compute_dtype`` what its blocks compute in. A new
+device is one ``BlockKernel`` in ``KERNELS``.
 
 An entry's ``forward`` returns ``(out, lse)`` with ``lse`` in natural log, shape ``(B, Hq, L)``,
 any float dtype; what it reports for a row with nothing to attend does not matter (the op sets
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from . import cpu_kernel
 
 __all__ = [
-    "BlockKernel", "KERNELS", "block_kernel", "unsupported_reason", "dropout_forward", "dropout_backward",
+    "BlockKernel", "KERNELS", "block_kernel", "kernel_unsupported_reason", "dropout_forward", "dropout_backward",
 ]  # fmt: skip
 
 aten = torch.ops.aten
@@ -460,8 +460,9 @@ def block_kernel(device: torch.device | str) -> BlockKernel:
     return KERNELS[kind]
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why blocks of these (example) inputs cannot run, or None."""
+def kernel_unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why no block kernel runs blocks of these (example) inputs (their device or dtypes), or
+    None."""
     kind = q.device.type
     if kind not in KERNELS:
         return f"device {kind!r}: no block kernel (ring_rewrite/kernels.py has {', '.join(KERNELS)})"

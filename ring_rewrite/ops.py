@@ -325,14 +325,14 @@ def dilated_block_attention(
         return
     from .merge import merge_partials
 
-    qd, kd, vd = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
-    od, lsed = _attend(qd, kd, vd, None, scale, is_causal, 0.0, None, None)
+    q_dilated, k_dilated, v_dilated = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
+    out_dilated, lse_dilated = _attend(q_dilated, k_dilated, v_dilated, None, scale, is_causal, 0.0, None, None)
     if not write:
-        held_out, held_lse = lay.gather(out), lay.gather(lse.unsqueeze(-1)).squeeze(-1)
-        held_out = torch.where(held_lse.isneginf().unsqueeze(-1), 0.0, held_out)  # holds nothing
-        od, lsed = merge_partials([held_out, od], [held_lse, lsed])
-    lay.scatter(out, od.to(out.dtype))
-    lay.scatter(lse.unsqueeze(-1), lsed.unsqueeze(-1))
+        running_out, running_lse = lay.gather(out), lay.gather(lse.unsqueeze(-1)).squeeze(-1)
+        running_out = torch.where(running_lse.isneginf().unsqueeze(-1), 0.0, running_out)  # holds nothing
+        out_dilated, lse_dilated = merge_partials([running_out, out_dilated], [running_lse, lse_dilated])
+    lay.scatter(out, out_dilated.to(out.dtype))
+    lay.scatter(lse.unsqueeze(-1), lse_dilated.unsqueeze(-1))
 
 
 @dilated_block_attention.register_fake
@@ -362,10 +362,12 @@ def dilated_block_backward(
             (dq, dk, dv), (dout, q, k, v, out, lse), layouts, sizes, lay.nseg, scale, is_causal, not write
         )
         return
-    qd, dod, od = (lay.gather(x) for x in (q, dout, out))
-    kd, vd = (lay.gather(x, kv=True) for x in (k, v))
-    lsed = lay.gather(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
-    grads = block_attention_backward(dod, qd, kd, vd, od, lsed, None, scale, is_causal)
+    q_dilated, dout_dilated, out_dilated = (lay.gather(x) for x in (q, dout, out))
+    k_dilated, v_dilated = (lay.gather(x, kv=True) for x in (k, v))
+    lse_dilated = lay.gather(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
+    grads = block_attention_backward(
+        dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, None, scale, is_causal
+    )
     for total, g, kv in zip((dq, dk, dv), grads, (False, True, True)):
         lay.scatter_add(total, g, kv=kv, zero=write)
 
@@ -383,7 +385,7 @@ def documents(docs: torch.Tensor, shift: torch.Tensor | None, where: str) -> tor
         d, s = d.gather(-1, order), s.gather(-1, order)
         if bool(((d[:, 1:] == d[:, :-1]) & (s[:, 1:] != s[:, :-1])).any()):
             raise ValueError(
-                f"ring_dilated: the mask of the site at {where} compares position values that do "
+                f"ring_rewrite: the mask of the site at {where} compares position values that do "
                 "not step by one within a document (position_ids of a packed sequence must count "
                 "up by one inside each sequence); its structure does not hold for these inputs"
             )
@@ -408,7 +410,7 @@ def block_ends(groups: torch.Tensor, where: str) -> torch.Tensor:
         ids = row[starts & (row >= 0)]
         if ids.unique().numel() != ids.numel():
             raise ValueError(
-                f"ring_dilated: the mask of the site at {where} makes blocks bidirectional "
+                f"ring_rewrite: the mask of the site at {where} makes blocks bidirectional "
                 "(g[t] == g[p] and g[p] >= 0), and a block id appears in more than one run of "
                 "positions; its structure does not hold for these inputs"
             )

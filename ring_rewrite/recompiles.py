@@ -91,7 +91,7 @@ def install() -> None:
     signature = inspect.signature(original)
     if not {"code", "compiler_fn", "cache_size", "compile_id"} <= set(signature.parameters):
         log.warning(
-            "ring_dilated: this torch's dynamo compiles frames differently; past "
+            "ring_rewrite: this torch's dynamo compiles frames differently; past "
             "torch._dynamo.config.recompile_limit a call may run un-rewritten"
         )
         return
@@ -121,7 +121,7 @@ def _message(code: CodeType, limit: str) -> str:
     knob = f"torch._dynamo.config.{limit}"
     per_call = " (or torch.compile(..., recompile_limit=...))" if limit == "recompile_limit" else ""
     return (
-        f"ring_dilated: dynamo hit {knob} ({getattr(dynamo_config, limit)}) recompiling "
+        f"ring_rewrite: dynamo hit {knob} ({getattr(dynamo_config, limit)}) recompiling "
         f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno}). Past the limit dynamo would "
         "run this call uncompiled: its attention un-rewritten, as plain SDPA (undilated, and in "
         "sharded mode within this rank's shard only), a different function from the one the "

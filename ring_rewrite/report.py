@@ -130,7 +130,7 @@ def bytes_sent(plan: SitePlan) -> dict[str, int]:
     for branch in plan.branches:
         sent = branch_bytes_sent(plan, branch)
         fwd, bwd = fwd + sent["forward"], bwd + sent["backward"]
-    if plan.gathers:
+    if plan.replicated:
         local = plan.batch * plan.n_local
         tag = 8
         probe = plan.hq * len(range(0, plan.n, max(1, plan.n // 16))) * item if plan.batch else 0
@@ -197,7 +197,7 @@ def _gathered(branch) -> bool:
 
 def _in_place(plan: SitePlan) -> bool:
     """Whether the site's out and gradients are its lone branch's own, with nothing to merge or
-    sum: rate 1, one segment, no cast, and a ring's head chunks landed in one buffer each."""
+    sum: rate 1, one segment, no cast, and a ring's head chunks concatenated into one buffer each."""
     if len(plan.branches) > 1:
         return False
     (branch,) = plan.branches
@@ -217,7 +217,7 @@ def _branch_outs(plan: SitePlan, branch) -> int:
 def _branch_grads(plan: SitePlan, branch) -> int:
     """What a branch's backward leaves for the sum: its dilated dq, dk, dv; a ring's dK/dV are
     home but for its last head chunk's, whose last hop is in flight until the local branches
-    are done (``_land``): that chunk's share kept home, the accumulator sent and the one
+    are done (``_dkv_at_owner``): that chunk's share kept home, the accumulator sent and the one
     arriving (``ring_shift_start`` allocates it)."""
     _, compute, stat = _itemsizes(plan)
     q_rows, kv_rows = _dilated_rows(plan, branch)
@@ -379,7 +379,7 @@ def _forward_peak(plan: SitePlan) -> int:
     else:
         peak, held = _branches_peak(plan, _branch_outs, backward=False)
         peak = max(peak, held + (0 if _in_place(plan) else out + lse))
-    if plan.gathers:  # every rank's out received, then stacked (and assembled)
+    if plan.replicated:  # every rank's out received, then stacked (and assembled)
         peak = max(peak, out + lse + 2 * plan.world * out)
     return peak
 
@@ -448,7 +448,7 @@ def _backward_peak(plan: SitePlan) -> int:
         cast = max(grads) if stat != item else 0
         peak = max(peak, held + totals + (chunk + max(work, cast)) // chunks)
         peak = max(peak, held + totals + (dkv if rings and stat != item else 0))
-    if plan.gathers:  # the whole out (the caller's) and gradients; received and stacked shards
+    if plan.replicated:  # the whole out (the caller's) and gradients; received and stacked shards
         peak = max(peak, plan.world * (out + sum(grads)) + 2 * plan.world * max(grads))
     return out + lse + peak
 
@@ -499,7 +499,7 @@ class Report:
     read from a mask, and its cost on this rank: useful forward GFLOP (dense in brackets), MiB
     sent forward / backward, MiB saved for backward / peak (estimates: Note [Memory of a site]).
     Ranks are global. ``str(report)`` is a ``tabulate`` table under a one-line summary
-    (``ring_dilated: no attention site found`` when there are no records).
+    (``ring_rewrite: no attention site found`` when there are no records).
 
     Args:
         records (list[SiteRecord]): the site records, as a backend's ``.records`` or
@@ -568,8 +568,8 @@ class Report:
 
     def __str__(self) -> str:
         if not self.records:
-            return "ring_dilated: no attention site found"
-        head = f"ring_dilated: {len(self.rewritten)} of {len(self.records)} attention sites rewritten"
+            return "ring_rewrite: no attention site found"
+        head = f"ring_rewrite: {len(self.rewritten)} of {len(self.records)} attention sites rewritten"
         head += " (per rank)" if any(r.plan is not None and r.plan.world > 1 for r in self.records) else ""
         return head + "\n" + tabulate(self.rows(), headers="keys", tablefmt="simple")
 
@@ -601,7 +601,7 @@ def explain(model_or_fn: Callable[..., Any], *example_args: Any, **config: Any) 
     Example::
 
         print(ring_rewrite.explain(model, x, segment_lengths=[64, 256], dilation_rates=[1, 4]))
-        # ring_dilated: 2 of 2 attention sites rewritten
+        # ring_rewrite: 2 of 2 attention sites rewritten
         #   site  where  ...  branches (w, r)  ...  status  ...
     """
     config.setdefault("compiler", "eager")

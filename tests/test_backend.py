@@ -155,7 +155,7 @@ def test_explain_report():
     assert isinstance(report, ring_rewrite.Report)
     assert [r.rewritten for r in report.records] == [False, True]
     text = str(report)
-    assert text.startswith("ring_dilated: 1 of 2 attention sites rewritten")
+    assert text.startswith("ring_rewrite: 1 of 2 attention sites rewritten")
     assert "left alone: dense attn_mask" in text
     assert "(8,1) local (16,2) local" in text
     assert "test_backend.py:" in text
@@ -236,4 +236,4 @@ def test_errors_through_a_backend_object_name_the_backend():
         torch.compile(dense, backend=backend)(qkv()[0])
     message = str(info.value)
     assert "backend='ring_dilated' raised" in message and " object at 0x" not in message
-    assert "ring_dilated: SDPA at test_backend.py:" in message and "dense attn_mask" in message
+    assert "ring_rewrite: SDPA at test_backend.py:" in message and "dense attn_mask" in message

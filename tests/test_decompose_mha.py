@@ -18,7 +18,7 @@ from ring_rewrite.passes.decompose_mha import (
     MHA,
     decompose_attention_modules,
     find_attention_module_sites,
-    unsupported_reason,
+    module_unsupported_reason,
 )
 from ring_rewrite.passes.find_sdpa import SDPA_TARGETS
 
@@ -373,10 +373,10 @@ def test_pass_returns_graph_unchanged_when_nothing_is_supported(case):
     gm, inputs = capture(fn, x)
     code = gm.code
     (site,) = find_attention_module_sites(gm)
-    assert unsupported_reason(site).startswith(reason)
+    assert module_unsupported_reason(site).startswith(reason)
     assert decompose_attention_modules(gm, inputs, config=RingDilatedConfig()) is gm
     assert gm.code == code
-    assert [r.reason for r in gm.meta["ring_rewrite_sites"]] == [unsupported_reason(site)]
+    assert [r.reason for r in gm.meta["ring_rewrite_sites"]] == [module_unsupported_reason(site)]
 
 
 def test_strict_raises_on_unsupported_module():

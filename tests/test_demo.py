@@ -34,7 +34,7 @@ def test_demo_trains_and_reports(tmp_path):
     proc = run_demo(tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "ring_dilated: 2 of 2 attention sites rewritten (per rank)" in out
+    assert "ring_rewrite: 2 of 2 attention sites rewritten (per rank)" in out
     assert "4 / sharded / zigzag" in out  # the report's plan: 4 ranks, sharded, zigzag
     assert "compiler inductor" in out
     assert "first-step check vs one process with float64 reference attention" in out

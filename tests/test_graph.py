@@ -15,7 +15,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite import RingDilatedConfig, testing
 from ring_rewrite.passes import UnsupportedSiteError, rewrite_sdpa
-from ring_rewrite.passes.find_sdpa import SDPA_TARGETS, bind_sdpa, decode_reason, unsupported_reason
+from ring_rewrite.passes.find_sdpa import SDPA_TARGETS, bind_sdpa, decode_reason, sdpa_unsupported_reason
 from ring_rewrite.testing import assert_expected_graph, assert_left_alone, assert_rewritten, site_body
 
 from conftest import Capture
@@ -339,10 +339,10 @@ def _bound_site(hq: int, hkv: int, nq: int, enable_gqa: bool):
 )  # fmt: skip
 @pytest.mark.parametrize("nq", [32, 1], ids=["site", "decode-step"])
 def test_heads_guard(hq, hkv, enable_gqa, reason, nq):
-    """Which head counts a site (``unsupported_reason``) and a decode step (``decode_reason``)
+    """Which head counts a site (``sdpa_unsupported_reason``) and a decode step (``decode_reason``)
     accept: the same, with the same reason."""
     site = _bound_site(hq, hkv, nq, enable_gqa)
-    guard = unsupported_reason if nq == 32 else decode_reason
+    guard = sdpa_unsupported_reason if nq == 32 else decode_reason
     assert guard(site) == reason
 
 

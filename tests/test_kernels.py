@@ -35,9 +35,9 @@ def test_the_table_names_what_runs_where():
         ("meta", torch.float32, "device 'meta': no block kernel"),
     ],
 )
-def test_unsupported_reason(device, dtype, reason):
+def test_kernel_unsupported_reason(device, dtype, reason):
     q = torch.empty(1, 2, 8, 4, device=device, dtype=dtype)
-    got = kernels.unsupported_reason(q, q, q)
+    got = kernels.kernel_unsupported_reason(q, q, q)
     if reason is None:
         assert got is None
     else:

@@ -197,7 +197,7 @@ def test_assert_rewritten_and_left_alone_pass():
 
 def _refuse_every_site(monkeypatch):
     """Break the rewrite on purpose: the guard refuses every site."""
-    monkeypatch.setattr(REWRITE, "unsupported_reason", lambda site: "broken on purpose")
+    monkeypatch.setattr(REWRITE, "sdpa_unsupported_reason", lambda site: "broken on purpose")
 
 
 def test_assert_rewritten_fails_naming_the_site_and_reason(monkeypatch):
@@ -209,7 +209,7 @@ def test_assert_rewritten_fails_naming_the_site_and_reason(monkeypatch):
     line = _line_of("# site A")
     assert message.startswith("expected 1 attention site rewritten; ring_dilated rewrote 0 of 2\n")
     assert f"site 0 (test_testing.py:{line}) left alone: broken on purpose" in message
-    assert "ring_dilated: 0 of 2 attention sites rewritten" in message  # the report table
+    assert "ring_rewrite: 0 of 2 attention sites rewritten" in message  # the report table
     with pytest.raises(AssertionError, match="expected every attention site rewritten"):
         assert_rewritten(cap)
 
