@@ -66,8 +66,9 @@ def _faults(args: dict, world: int) -> list[tuple[str | None, int, float]]:
     """Each step's ``(fault or None, culprit rank, scale)``, the same on every rank."""
     draw = random.Random(args["seed"])
     plan = []
-    for _ in range(args["steps"]):
+    for step in range(args["steps"]):
         fault = draw.choice(FAULTS) if draw.random() < args["rate"] else None
+        fault = None if step == args["steps"] - 1 else fault  # the last step leaves nothing pending
         plan.append((fault, draw.randrange(world), draw.uniform(0.5, 3.0)))
     return plan
 

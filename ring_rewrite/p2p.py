@@ -152,13 +152,16 @@ collectives (FSDP, DDP).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import datetime
 import functools
 import logging
 import os
 import pickle
 import queue
 import threading
+import time
 import zlib
 
 import torch
@@ -757,6 +760,25 @@ class _Waiter:
 _WAITER = _Waiter()
 
 
+@atexit.register
+def _release_at_exit() -> None:
+    """A transfer a failed call left pending (a fault in the program's last step) holds the
+    waiter thread inside gloo's wait. Woken while the interpreter shuts down (a peer exits and
+    closes the connection), that thread would abort the process (``std::terminate``). At exit,
+    while Python still runs, a wait on it whose deadline has passed makes gloo close the group's
+    connections, which wakes the thread now; it is given a few seconds to let go."""
+    stuck = [w for p in [*_PENDING.values(), *_ABANDONED] for w in p.works if not w.done]
+    if not stuck:
+        return
+    try:
+        stuck[0].work.wait(datetime.timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001  (the deadline has passed: that is the point)
+        pass
+    deadline = time.monotonic() + 5
+    while any(not w.done for w in stuck) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @dataclasses.dataclass
 class _Pending:
     """A transfer started and not yet waited for."""
@@ -1138,7 +1160,7 @@ def all_gather_seq(
     differ = [global_rank(group, r) for r in range(world) if not torch.equal(tail[r], tail[0])]
     if differ:
         raise RuntimeError(
-            f"ring_dilated: sharding='replicated' needs the same full sequence on every rank, but "
+            f"ring_rewrite: sharding='replicated' needs the same full sequence on every rank, but "
             f"the attention inputs of rank(s) {differ} differ from rank {global_rank(group, 0)}'s "
             "(data-parallel inputs? use sharding='sharded' with shard(), or a group= of the ranks "
             "that share a sequence)"
