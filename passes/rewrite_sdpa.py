@@ -36,9 +36,9 @@ Note [One body per plan]
 A transformer's layers have sites with the same plan (and input strides). Their forward and
 backward bodies are traced once, by the first of them (whose index their nodes carry), and every
 such site calls the same bodies through ``invoke_subgraph`` under the same identifier: AOT
-autograd traces and inductor lowers each body once, not once per layer. Inlined per layer, a
-LongNet site at P = 4 added about 4 s of compile per layer and the model compiled up to 2.4x as
-long as without the rewrite (benchmarks/README.md, compile cost). The only per-site value a body
+autograd traces and inductor lowers each body once, not once per layer: inlined per layer, each
+layer's LongNet site would compile on its own, seconds each at P = 4 (benchmarks/README.md,
+compile cost, measures the model with and without the rewrite). The only per-site value a body
 needs, the site index in the transfer tags, comes in as the token's value (Note [Ordering the
 ring's messages] in ``ring_rewrite/p2p.py``).
 """

@@ -72,9 +72,9 @@ ones there). Backward, ``ops.dilated_block_backward`` reads q, k, v, dout, out a
 the branch's dq, dk, dv into the site's, in place; the first branch, at rate 1, writes them
 (else they start at zero). No gradient of a branch exists on its own and nothing is summed
 afterwards: the backward holds the site's dq, dk, dv and the kernel's per-thread tiles, so it
-needs no head chunks, and no buffer of it grows with the branches (at 256k tokens, Note [Head
-chunks of local branches]'s chunks took 2 million page faults a step; single-device LongNet
-peak 4.52 -> 4.02 ``q``-sized, forward 2.9 -> 1.0). The graph shows one node per local branch
+needs no head chunks, and no buffer of it grows with the branches (gathered chunks, Note [Head
+chunks of local branches], fault in fresh pages every step at long N; benchmarks/README.md,
+section 1, has the peaks). The graph shows one node per local branch
 each way, roles ``attention`` and ``attention_backward``; the rings' dq and dK/dV add into the
 same sums after them. Elsewhere (aten's kernel, CUDA, 16-bit, a bias) they are gathered, and the backward runs in
 head chunks (the Note above).
@@ -93,12 +93,11 @@ Note [Gathers as calls]
 ~~~~~~~~~~~~~~~~~~~~~~~
 Where a branch's rows do not stay in place (``r > 1``, or padding), the gather is one call of
 ``ops.dilate``: per kernel head, one strided copy of that head's lattice rows, whose head and
-offset are Python ints of the call. Written as indexing, inductor made each gather a C++ kernel
-with the branch's sizes, heads and lattice offsets baked in: per ring branch one for q, k, v in
-the forward and two in the backward, and per head chunk of the local branches' backward one
-more (each chunk's heads have their own offsets), at about 0.6 s of C++ each, most of a site's
-compile (``benchmarks/compile_cost.py --site``: at 16k tokens on 4 ranks 16 kernels, 7 after,
-23.7 -> 16.4 s). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
+offset are Python ints of the call. Written as indexing, each gather would be a C++ kernel of
+inductor's with the branch's sizes, heads and lattice offsets baked in (per ring branch one for
+q, k, v in the forward and two in the backward, one more per head chunk of the local branches'
+backward), each about 0.6 s of compile (``benchmarks/compile_cost.py --site`` counts a site's
+kernels). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
 input), so nothing is lost at run time; the graph still shows one node per gather, role
 ``dilate``. The way back is a call too in the backward (Note [Gradient sums as calls]); the
 forward's undilation stays a torch op, fused with the merge it feeds.
@@ -110,11 +109,11 @@ strided add into a running total, in place, the adjoint of the gather. The first
 a total allocates it in ``stat_dtype`` and zeroes it (or writes it, at rate 1 without padding,
 where every position gets one row); later ones add. A ring's dq waits, dilated (``1 / r`` of
 q), and is added to the local branches' sums of each head chunk.
-Written as torch ops (an undilation with zeros off the lattice, an ``index_add`` for kv heads not
-shared) inductor fused the sum of every branch into one kernel per head chunk of the local
-branches, with the chunk's lattice offsets baked in: 3 C++ kernels a chunk, and every branch's
-gradients held until they ran (Note [Memory of a site] in ``report.py``). As calls the backward
-compiles no kernel per chunk, and a branch's gradients are freed once added. The forward's merge
+As torch ops (an undilation with zeros off the lattice, an ``index_add`` for kv heads not
+shared), inductor would fuse the sum of every branch into kernels per head chunk of the local
+branches, with the chunk's lattice offsets baked in, and hold every branch's gradients until
+they ran (Note [Memory of a site] in ``report.py``). As calls the backward compiles no kernel
+per chunk, and a branch's gradients are freed once added. The forward's merge
 stays pointwise (docs/semantics.md, The rewritten graph): it weighs each branch's out by every
 branch's lse.
 
@@ -125,10 +124,9 @@ The blocks of one backward ring step read disjoint key parts of the K/V held (th
 its rows; added to the accumulators that arrived, it leaves for the next rank. Those sums, and
 the branch's dq over the steps, are ``ops.add_rows`` calls: each adds a block's gradient into a
 copy of the running sum at the block's rows (zeros where no sum exists yet). As pointwise ops
-they were a concatenation with zeros, an add and a copy per step, each with the sizes of its
-branch baked in: a C++ kernel per ring branch and step kind, about 5 per ring branch, and most
-of the compile (``benchmarks/compile_cost.py --site``: 27 kernels at 16k tokens on 4 ranks, 15
-after). What the graph shows is the same: a block's gradients, then their sum (role
+they would be a concatenation with zeros, an add and a copy per step, each with the sizes of
+its branch baked in: a C++ kernel per ring branch and step kind, about 5 per ring branch, most
+of a site's compile (``benchmarks/compile_cost.py --site`` counts them). What the graph shows is the same: a block's gradients, then their sum (role
 ``merge``), then the transfer. The forward's merges stay pointwise.
 
 Note [Overlap across branches]

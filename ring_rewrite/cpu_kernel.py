@@ -9,20 +9,15 @@ pairs than the useful ones, and its share of ``torch.mm``'s rate falls from abou
 square to 65 to 75 % on the causal one (forward + backward, this machine; blocks under 768 rows
 fare worse: its 64-row tiles still run 512 keys, and a causal 512 square runs at 30 %).
 ``flash_cpu.c`` is the same algorithm (FlashAttention-2) with short query tiles (64 rows with
-AVX-512) that stop at their last row's diagonal. Its first version called MKL's ``sgemm`` (torch's
-own) for each product of a query tile and a key tile, and ran at 90 to 110 % of ``torch.mm``'s rate
-measured beside it on causal blocks of 2048 to 16384 rows where aten's ran at 67 to 82 %; but BLAS
-packs both operands of every call, and a tile's products are small (a 64-row query tile against 256
-keys of 64 dims): ``perf`` put 13 % of the kernel's time in MKL's packing copies, forward and
-backward, and the full step stalled at 122 to 144 GFLOP/s while ``torch.mm`` read up to 190
-(benchmarks/README.md, section 1). Now every product is a register tile of its own (``tile`` in
-``flash_cpu.c``: 6 rows by 4 vectors of 16 lanes with AVX-512), one operand broadcast from where it
-lies, the other loaded by rows, so nothing is packed per call: forward, S^T (keys by queries) from
-k's rows against the query tile transposed once, each query's max and sum across vector lanes,
-out^T from v's rows; backward, key tile by key tile (K and V transposed once a key tile), S and dP
-against every query tile that sees it, dV and dK summed in the key tile's own scratch. On the
-LongNet config's 2048-row causal blocks alone, forward and backward 1.25x as fast as with MKL (one
-head of 16384 rows: 1.35x), the full single-device step at 88 to 112 % of ``torch.mm`` (section 1).
+AVX-512) that stop at their last row's diagonal. It calls no BLAS: BLAS packs both operands of
+every call, and a tile's products are small (a 64-row query tile against 256 keys of 64 dims), so
+per-call packing would cost a large share of the kernel's time. Every product is a register tile
+of its own (``tile`` in ``flash_cpu.c``: 6 rows by 4 vectors of 16 lanes with AVX-512), one operand
+broadcast from where it lies, the other loaded by rows, so nothing is packed per call: forward,
+S^T (keys by queries) from k's rows against the query tile transposed once, each query's max and
+sum across vector lanes, out^T from v's rows; backward, key tile by key tile (K and V transposed
+once a key tile), S and dP against every query tile that sees it, dV and dK summed in the key
+tile's own scratch. Its rate against ``torch.mm`` is benchmarks/README.md's section 1.
 No BLAS is called, so the build needs nothing of torch's; the vector width and tile follow the
 target (AVX-512, AVX2, NEON, SSE; the tests pass built for each x86 one here, AVX-512 timed).
 Threads are torch's OpenMP runtime at ``torch.get_num_threads()``: forward, a task per (batch,
@@ -30,8 +25,7 @@ head, query tile); backward, per (batch, kv head), which owns its dK and dV. Bac
 to give every thread one (the local branches' head chunks run one head of a few segments: at 16k
 tokens a chunk of the 16384-token branch is one task) are shared by all threads, each taking a
 slice of the query tiles that see a key tile, the key tile's dK and dV then summed across them.
-It writes ``out``, ``dq``, ``dk`` and ``dv`` contiguous (aten's come in its own layout and were
-copied), reads GQA's kv heads in place and takes ``d != dv`` as they are. Both ways it also reads
+It writes ``out``, ``dq``, ``dk`` and ``dv`` contiguous (no copy out of another layout), reads GQA's kv heads in place and takes ``d != dv`` as they are. Both ways it also reads
 and writes every operand at a layout of the caller's: a local branch's lattice rows inside the
 site's own tensors, segments as batches and each kernel head's offset of its own
 (``forward_in_place``, ``backward_in_place``; Note [Local branches in place] in ``attention.py``);

@@ -304,8 +304,9 @@ def _cuda_forward(q, k, v, bias, scale, is_causal):
         qp, kp, vp, _cuda_bias(bias, qp, kp), True, 0.0, is_causal, scale=scale
     )
     lse = lse[..., :length]
-    # A row with nothing to attend (its lse not finite, whichever way): zeros, as on CPU.
-    out = out[..., :dv].masked_fill(~torch.isfinite(lse).unsqueeze(-1), 0.0)
+    # A row with nothing to attend (its lse infinite, whichever way): zeros, as on CPU. A NaN row
+    # (a NaN it attends to) keeps its NaN out and lse (Note [Non-finite values] in cpu_kernel.py).
+    out = out[..., :dv].masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
     return out, lse
 
 

@@ -42,9 +42,9 @@ Between ``ring_shift_start`` and ``ring_shift_wait`` gloo reads the sent tensors
 received ones on its own threads. To a compiler our ops are plain function calls: inductor's
 memory planner hands an input's storage to the next kernel as soon as the input's last reader
 returns (``buf7 = buf4; del buf4  # reuse``), and when a view feeds two custom ops it may
-materialise it once per op. Both happened: the K/V sent at step 0 were reused for the next
-block's gathers while still in flight, and the wait was given a second copy; at P = 2 and 4,
-ring branches (exact attention too) came out wrong under inductor only. So, by construction:
+materialise it once per op. Either would send memory that the next block's gathers overwrite
+in flight, or wait on a second copy, and ring branches (exact attention too) would come out
+wrong under inductor only. So, by construction:
 
 * **received** tensors are allocated inside ``ring_shift_start`` and reach the graph only as
   ``ring_shift_wait``'s outputs: no compiled code can see them, let alone reuse them, in flight;
@@ -54,8 +54,8 @@ ring branches (exact attention too) came out wrong under inductor only. So, by c
   was lowered onto (by tag), whatever its own ``xs`` argument lowered to, and schedules what is
   lowered between the two after the start (so the overlap survives the peak-memory reordering).
   No copy is added: what the start sends is what inductor would have materialised for it
-  anyway. (A ``clone`` in the graph did not do it: inductor dropped the clone of a contiguous
-  tensor and still materialised the gather once per consumer.) Eager and ``aot_eager`` pass the
+  anyway. (A ``clone`` in the graph would not do it: inductor drops the clone of a contiguous
+  tensor and may still materialise the gather once per consumer.) Eager and ``aot_eager`` pass the
   very tensors the start sent;
 * ``ring_shift_wait`` checks that it got the very buffer its start sent (a pointer compare, on
   always), and raises otherwise, naming the transfer, instead of sending overwritten memory;

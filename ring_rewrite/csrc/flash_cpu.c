@@ -19,8 +19,8 @@
  *     thread, each taking a slice of the query tiles that see a key tile and summing the key
  *     tile's dK, dV with the others after it.
  * Sums over many terms are taken a register tile at a time and then added to what the rows hold:
- * a key seen by L queries adds L / TQ partial sums to its dK row, not L terms one by one (which
- * was 4x less exact at a 2048-row block's first keys; BLAS's blocked sums are as exact as these).
+ * a key seen by L queries adds L / TQ partial sums to its dK row, not L terms one by one (whose
+ * rounding error grows with L; BLAS's blocked sums are as exact as these).
  * Threads are OpenMP's (torch's runtime: the same libgomp; `threads` of them). Vector width and
  * tile shape follow the target (-march=native): 16 lanes and 6 x 4 vectors with AVX-512, 8 lanes
  * and 6 x 2 with AVX, 4 lanes otherwise (6 x 4 with NEON's 32 registers, 6 x 2 with SSE's 16).
