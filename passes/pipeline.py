@@ -4,8 +4,8 @@
 
     dynamo graph
       -> attention_modules   nn.MultiheadAttention / TransformerEncoderLayer -> SDPA (decompose_mha.py)
+      -> hand_written        softmax(q @ k^T * scale + mask) @ v written as ops -> SDPA (hand_written.py)
       -> length_buckets      a symbolic sequence length -> padded to a static bucket (bucket_lengths.py)
-      -> (next: hand-written matmul-softmax-matmul attention)
       -> rewrite_sdpa        every supported SDPA -> ring dilated attention (rewrite_sdpa.py)
       -> the lowering compiler (inductor by default)
 
@@ -38,6 +38,8 @@ from .bucket_lengths import NAME as BUCKETS_NAME
 from .bucket_lengths import bucket_lengths
 from .decompose_mha import decompose_attention_modules, leave_attention_modules_alone
 from .find_sdpa import find_sdpa_sites
+from .hand_written import NAME as HAND_WRITTEN_NAME
+from .hand_written import hand_written_to_sdpa, leave_hand_written_alone
 from .records import TOUCHED
 from .rewrite_sdpa import NAME as REWRITE_NAME
 from .rewrite_sdpa import rewrite_sdpa
@@ -64,6 +66,8 @@ NORMALISING: tuple[Pass, ...] = (
         "attention_modules", decompose_attention_modules, "decomposed",
         leave_attention_modules_alone,
     ),  # fmt: skip
+    # NOTE: before length_buckets, so that the SDPA nodes it makes are bucketed too.
+    Pass(HAND_WRITTEN_NAME, hand_written_to_sdpa, "hand_written", leave_hand_written_alone),
     Pass(BUCKETS_NAME, bucket_lengths, "bucketed"),
 )
 REWRITE = Pass(REWRITE_NAME, rewrite_sdpa, "rewritten")

@@ -30,7 +30,7 @@ def _mha_and_sdpa():
 
 
 def test_the_pipeline_is_the_normalising_passes_then_the_rewrite():
-    assert [p.name for p in NORMALISING] == ["attention_modules", "length_buckets"]
+    assert [p.name for p in NORMALISING] == ["attention_modules", "hand_written", "length_buckets"]
     assert REWRITE.name == "rewrite_sdpa"
 
 
