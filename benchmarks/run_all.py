@@ -32,6 +32,7 @@ BENCHMARKS = {
     "fault_soak": ("fault_soak.py", [], "fault_soak.json"),
     "scale": ("scale.py", [], "scale.json"),
     "overlap": ("overlap.py", [], "overlap.json"),
+    "alibi_accuracy": ("alibi_accuracy.py", [], "alibi_accuracy.json"),
 }
 
 

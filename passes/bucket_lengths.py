@@ -211,7 +211,7 @@ def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, s
         both = torch.cat([values.expand(*lead, length), fill.expand(*lead, size)], -1)
         return both.index_select(-1, pick)
 
-    bias = key_mask(structure, q.dtype, *data)  # 0 / -inf and key biases
+    bias = key_mask(structure, q, *data)  # 0 / -inf and key biases
     bias = keys(bias, bias.new_full((1, 1, 1), float("-inf")), (b, h))
     allowed = torch.ones((), dtype=torch.bool, device=q.device)
     distance = t - p

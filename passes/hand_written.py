@@ -16,7 +16,7 @@ Before (nanoGPT)::
     att = self.attn_dropout(F.softmax(att, dim=-1))
     y = att @ v
 
-After (every new node has ``meta["ring_rewrite"] = {"site": i, "role": ROLE}``)::
+After (every new node has ``meta["ring_rewrite"] = {"site": i, "role": "hand_written"}``)::
 
     y = torch._C._nn.scaled_dot_product_attention(q, k, v, dropout_p=p if training else 0.0,
                                                    is_causal=True, scale=0.3535...)
@@ -40,10 +40,12 @@ The products read:
   tensor the 3-D one is a reshape of, so query head ``j`` stays head ``j`` (a dilated config
   gives heads different lattices); where none is found, from the other operands, else each
   batch entry is one head;
-* ``torch.einsum`` with two operands and one contracted letter, output ``(batch..., n, m)``;
-  ``MM2``'s output may be in any order of its letters (``bhqk,bkhd->bqhd``).
+* ``torch.einsum`` with two operands (in either order: ``"bhmd,bhnd->bhnm", k, q``) and one
+  contracted letter, output ``(batch..., n, m)``; ``MM2``'s output may be in any order of its
+  letters (``bhqk,bkhd->bqhd``). ``baddbmm``'s operands may be keywords (BLOOM's).
 
-Between ``MM1`` and the softmax, in any order that puts every scale before the first mask:
+Between ``MM1`` and the softmax, in any order that puts every scale before the first mask (a
+scale after a bias scales the bias too):
 
 * a scale: ``* c``, ``/ c`` (``c`` a number, ``torch.full([], c)``, or a one-element tensor,
   which then multiplies the query), ``baddbmm``'s ``alpha``; the scale on ``q`` or ``k``
@@ -64,7 +66,11 @@ Each check, and why the result is then exactly SDPA's function:
 * **no other user** of any node from ``MM1`` to ``MM2``: where the scores or the probabilities
   are read elsewhere (``output_attentions=True``, a hook, attention rollout) SDPA would not
   compute them; the site is left alone with that reason.
-* **scales before masks**: ``(s + b) * c`` scales the bias too; nothing models write.
+* **scales before masks**; a scale after an additive bias: ``(s + b) * c == s * c + b * c``,
+  SDPA with the scale ``c`` and the bias ``b * c`` (Falcon's ``(s + alibi) * inv_norm_factor``).
+  The scaled bias keeps its fills (``min * c`` is no lowest value: it is passed as it is). A scale
+  after a mask is left alone (simple over clever), and so is a scale after a bias by a tensor
+  that requires grad (SDPA's mask takes no gradient, ``find_sdpa``).
 * **only the ops listed**: anything else on the scores (a softcap ``tanh``, Gemma 2's;
   ``s - s.amax()``) is a different function, left alone with its reason.
 * **a fill of -inf or at most the lowest finite value** of the dtype the masked scores have:
@@ -78,8 +84,8 @@ Each check, and why the result is then exactly SDPA's function:
 * **a bias that requires grad** (a learned relative position bias, T5's in training) is left
   alone: SDPA's mask gets no gradient in the rewrite (``find_sdpa``).
 * **a dense mask or bias the rewrite reads** (``masks.mask_structure``, at static lengths with
-  ``N == M``): one that needs the query position otherwise (T5's bias in eval, ALiBi) is left
-  alone here with masks.py's reason, so the site runs as written.
+  ``N == M``): one that needs the query position otherwise (T5's bias in eval, bidirectional
+  ALiBi) is left alone here with masks.py's reason, so the site runs as written.
 * **a mask from module state** (nanoGPT's ``tril`` buffer): it is computed from the buffer's
   values when the graph is compiled, and must be a band ``lo <= t - p <= hi`` on every leading
   index; it becomes ``is_causal=True`` (alone, ``lo`` open, ``hi = 0``) or the band built from
@@ -91,6 +97,11 @@ Each check, and why the result is then exactly SDPA's function:
 
 The SDPA node carries the softmax's stack trace and module path, so the report names the
 site as transformers' "sdpa" path names it.
+
+An exception while reading one site (a bug in this pass) leaves that site alone with the reason
+``hand_written could not read this site: <error>``: finding is guarded per softmax, planning and
+building per site, and nothing of the graph is changed before the SDPA call is made and checked
+(``_replace``). The other sites are read as usual.
 
 Note [Site ids of hand-written attention]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -128,9 +139,8 @@ __all__ = ["KIND", "NAME", "ROLE", "HandWrittenSite", "find_hand_written_sites",
 NAME = "hand_written"
 KIND = "hand_written"
 """The kind of a site left alone here (the report's ``kind`` column)."""
-ROLE = "decompose"
-"""The role of the nodes this pass adds: like ``decompose_mha``'s, ops spelled out around an SDPA
-(``ring_rewrite/roles.py`` has no role of its own for them)."""
+ROLE = "hand_written"
+"""The role of the nodes this pass adds (the SDPA call and what its arguments need)."""
 
 _NEG_INF = float("-inf")
 _DEPTH = 16  # ops between a product and the softmax, or the softmax and the product with v
@@ -243,14 +253,27 @@ class _Product:
     reason: str | None = None
 
 
+def _operands(node: fx.Node, *names: str) -> list[Any] | None:
+    """``_arg`` of each of ``names`` in turn (``alibi.baddbmm(batch1=q, batch2=kt)``, as BLOOM
+    calls it); None where one is missing."""
+    got = [_arg(node, i, name) for i, name in enumerate(names)]
+    return None if any(x is None for x in got) else got
+
+
 def _product(node: fx.Node) -> _Product | None:
     if _is(node, *_MATMUL) or _is(node, *_BMM):
-        x, y = node.args[0], node.args[1]
+        operands = _operands(node, "input", "mat2" if _is(node, *_BMM) else "other")
+        if operands is None:
+            return None
+        x, y = operands
         if not (_ev(x) is not None and _ev(y) is not None and _ev(x).dim() >= 2 and _ev(y).dim() >= 2):
             return None
         return _Product(node, x, None, y, None)
     if _is(node, *_BADDBMM):
-        inp, x, y = node.args[:3]
+        operands = _operands(node, "input", "batch1", "batch2")
+        if operands is None:
+            return None
+        inp, x, y = operands
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         reason = None
         if not isinstance(alpha, (int, float)) or not isinstance(beta, (int, float)) or beta not in (0, 1):
@@ -302,6 +325,8 @@ def _einsum(node: fx.Node) -> _Product | None:
     if set(a) != {*batch, *rows, *contracted} or set(b) != {*batch, *cols, *contracted}:
         return None
     (c,), (r,), (s,) = contracted, rows, cols
+    if out.index(r) > out.index(s):  # the operand of the rows second (``"bhmd,bhnd->bhnm", k, q``)
+        a, b, operands, r, s = b, a, operands[::-1], s, r
     x_layout, y_layout = [*batch, r, c], [*batch, c, s]
     canonical = [*batch, r, s]
     x_perm = tuple(a.index(ch) for ch in x_layout)
@@ -337,8 +362,8 @@ class HandWrittenSite:
     softmax: fx.Node
     scores: _Product | None
     """``MM1``; None where the softmax reaches more than one product (``reason`` says so)."""
-    values: _Product
-    """``MM2``: the probabilities are its ``x``."""
+    values: _Product | None
+    """``MM2``: the probabilities are its ``x``; None only where the site could not be read."""
     scores_path: list[fx.Node]
     """``MM1`` .. the softmax's input, in order."""
     probs_path: list[fx.Node]
@@ -356,7 +381,8 @@ class HandWrittenSite:
             q = shape(self.scores.x, self.scores.x_perm)
             kt = shape(self.scores.y, self.scores.y_perm)
             k = None if kt is None else (*kt[:-2], kt[-1], kt[-2])
-        return {"query": q, "key": k, "value": shape(self.values.y, self.values.y_perm), "attn_mask": None}
+        value = None if self.values is None else shape(self.values.y, self.values.y_perm)
+        return {"query": q, "key": k, "value": value, "attn_mask": None}
 
 
 def _softmax_dim(node: fx.Node) -> int | None:
@@ -379,28 +405,41 @@ def find_hand_written_sites(gm: fx.GraphModule) -> list[HandWrittenSite]:
     for node in gm.graph.nodes:
         if not _is(node, *_SOFTMAX):
             continue
-        x = _ev(node.args[0])
-        if x is None or x.dim() < 2 or _softmax_dim(node) != x.dim() - 1:
-            continue
-        n, m = x.shape[-2:]
-        forward = _probs_path(node, n, m)
-        if forward is None:
-            continue
-        probs_path, values = forward
-        found = _scores_paths(node.args[0], n, m)
-        if not found:
-            continue
-        where = location(node)
-        if len({path[0] for path in found}) > 1:
-            reason = "the scores add more than one product (a bias computed from the query, as Transformer-XL's?)"
-            sites.append(HandWrittenSite(node, None, values, [], probs_path, where, reason))
-            continue
-        scores_path = found[0]
-        product = _product(scores_path[0])
-        if _module_tensor(product.x) or _module_tensor(product.y):
-            continue  # x @ W: a router's or a classifier's logits, no queries against keys
-        sites.append(HandWrittenSite(node, product, values, scores_path, probs_path, where))
+        try:
+            site = _site(node)
+        except Exception as error:  # a bug here: the softmax runs as written (Note [Hand-written attention])
+            site = HandWrittenSite(node, None, None, [], [], location(node), _could_not_read(error))
+        if site is not None:
+            sites.append(site)
     return sites
+
+
+def _could_not_read(error: Exception) -> str:
+    return f"hand_written could not read this site: {type(error).__name__}: {error}"
+
+
+def _site(node: fx.Node) -> HandWrittenSite | None:
+    """The site of one softmax, or None where it is no attention."""
+    x = _ev(node.args[0]) if node.args else None
+    if x is None or x.dim() < 2 or _softmax_dim(node) != x.dim() - 1:
+        return None
+    n, m = x.shape[-2:]
+    forward = _probs_path(node, n, m)
+    if forward is None:
+        return None
+    probs_path, values = forward
+    found = _scores_paths(node.args[0], n, m)
+    if not found:
+        return None
+    where = location(node)
+    if len({path[0] for path in found}) > 1:
+        reason = "the scores add more than one product (a bias computed from the query, as Transformer-XL's?)"
+        return HandWrittenSite(node, None, values, [], probs_path, where, reason)
+    scores_path = found[0]
+    product = _product(scores_path[0])
+    if _module_tensor(product.x) or _module_tensor(product.y):
+        return None  # x @ W: a router's or a classifier's logits, no queries against keys
+    return HandWrittenSite(node, product, values, scores_path, probs_path, where)
 
 
 def _module_tensor(node: Any) -> bool:
@@ -476,6 +515,9 @@ class _Term:
     lead: tuple
     keep: bool
     negate: bool = False
+    scales: list[tuple[Any, str]] = dataclasses.field(default_factory=list)
+    """A bias scaled with the scores after it was added (Falcon's ``(s + alibi) * c``): each
+    ``(factor, "mul" | "div")``, a number or a one-element tensor's node, in order."""
 
 
 @dataclasses.dataclass
@@ -543,10 +585,10 @@ def _plan(site: HandWrittenSite) -> _Plan | str:
         if _ev(mm1.added) is None or not _ev(mm1.added).is_floating_point():
             return "baddbmm adds a tensor that is no float bias"
         terms.append(_Term(mm1.added, lead, keep=False))
-    masked, current = False, lead
+    current = lead
     for op, prev in ops:
         out = _ev(op)
-        step = _scores_op(op, prev, current, masked)
+        step = _scores_op(op, prev, current)
         if isinstance(step, str):
             return step
         kind, payload = step
@@ -554,13 +596,21 @@ def _plan(site: HandWrittenSite) -> _Plan | str:
             current = tuple(out.shape[:-2])
         elif kind == "scale":
             factor, tensor, how = payload
+            # NOTE: (s + b) * c == s * c + b * c: a bias added before a scale is scaled with it.
+            # A mask (a -inf or finfo.min fill) is not: left alone, simple over clever.
+            if any(t.keep for t in terms):
+                return ("the scores are scaled after a mask is applied (scales before masks, and scales "
+                        "after an additive bias, are read)")  # fmt: skip
+            if terms and tensor is not None and _ev(tensor).requires_grad:
+                return "the scores are scaled after a bias by a tensor that requires grad (a learned temperature)"
+            for term in terms:
+                term.scales.append((tensor if factor is None else factor, how))
             if factor is not None:
                 scale = scale * factor if how == "mul" else scale / factor
             else:
                 scale_tensors.append((tensor, how))
         elif kind == "term":
             terms.append(payload)
-            masked = True
     for op, _ in probs:
         if _is(op, *_VIEWS) or _is(op, *_CASTS) or _is(op, *_SAME) or _is(op, *_DROPOUT):
             continue
@@ -581,7 +631,7 @@ def _plan(site: HandWrittenSite) -> _Plan | str:
     return _layout(site, lead, scale, scale_tensors, terms, dropout_p)
 
 
-def _scores_op(op: fx.Node, prev: fx.Node, lead: tuple, masked: bool):
+def _scores_op(op: fx.Node, prev: fx.Node, lead: tuple):
     """What one op on the scores does: ``("view", None)``, ``("cast", None)``, ``("scale",
     (factor, tensor, "mul" | "div"))``, ``("term", _Term)``; or a reason."""
     out, value = _ev(op), _ev(prev)
@@ -603,8 +653,8 @@ def _scores_op(op: fx.Node, prev: fx.Node, lead: tuple, masked: bool):
         if how == "div" and a is not prev:
             return "a number or tensor is divided by the scores"
         other = b if a is prev else a
-        if masked:
-            return "the scores are scaled after a mask or bias is applied"
+        if other is prev:
+            return "the scores are multiplied by themselves"
         factor = _constant(other)
         if factor is not None:
             if factor == 0 or not math.isfinite(factor):
@@ -620,6 +670,8 @@ def _scores_op(op: fx.Node, prev: fx.Node, lead: tuple, masked: bool):
             return "the scores are added with an alpha"
         a, b = op.args[0], op.args[1]
         other = b if a is prev else a
+        if other is prev:
+            return "the scores are added to themselves"
         t = _ev(other)
         if t is None or not t.is_floating_point():
             return "a number or a non-float tensor is added to the scores"
@@ -887,9 +939,12 @@ def hand_written_to_sdpa(
     node, in place; record the others as left alone (Note [Hand-written attention])."""
     made: list[list[fx.Node]] = []
     for site in find_hand_written_sites(gm):
-        plan = _plan(site)
-        if isinstance(plan, _Plan):
-            plan = _replace(gm, site, plan)
+        try:
+            plan = _plan(site)
+            if isinstance(plan, _Plan):
+                plan = _replace(gm, site, plan)
+        except Exception as error:  # a bug in reading this site: it runs as written, the others go on
+            plan = _could_not_read(error)
         if isinstance(plan, str):
             _leave_alone(gm, config, site, plan)
             continue
@@ -938,22 +993,30 @@ def _replace(gm: fx.GraphModule, site: HandWrittenSite, plan: _Plan) -> list[fx.
     tracer = _Tracer(graph, -1, anchor.meta.get("stack_trace"), anchor.meta.get("nn_module_stack"))
     tracer.fake_mode = getattr(_ev(plan.q), "fake_mode", None)
     wrap = lambda n: fx.Proxy(n, tracer)  # noqa: E731
+    # NOTE: nothing of the graph is changed until the SDPA call is made and checked; an error
+    # before that takes the new nodes back (a bug reaches hand_written_to_sdpa's reason).
     try:
         with graph.inserting_before(mm2), role(ROLE):
             result = _emit(plan, tracer, wrap)
         if not isinstance(result, str):
-            _propagate(tracer)
-    except Exception as error:  # shapes SDPA refuses: the site runs as written
-        result = f"SDPA does not take its operands ({type(error).__name__}: {error})"
+            try:
+                _propagate(tracer)
+            except Exception as error:  # shapes SDPA refuses: the site runs as written
+                result = f"SDPA does not take its operands ({type(error).__name__}: {error})"
+        if not isinstance(result, str):
+            want, got = _ev(mm2), _ev(result)
+            if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
+                result = (f"SDPA's output {tuple(got.shape)} {got.dtype} is not the product's "
+                          f"{tuple(want.shape)} {want.dtype}")  # fmt: skip
+        region = [*site.scores_path, *(u for n in site.scores_path for u in n.users if _inplace(u)),
+                  *site.probs_path, mm2]  # fmt: skip
+        inputs = {x for n in region for x in n.all_input_nodes} - set(region)
+    except Exception:
+        _take_back(graph, tracer.made)
+        raise
     if isinstance(result, str):
         _take_back(graph, tracer.made)
         return result
-    want, got = _ev(mm2), _ev(result)
-    if tuple(want.shape) != tuple(got.shape) or want.dtype != got.dtype:
-        _take_back(graph, tracer.made)
-        return f"SDPA's output {tuple(got.shape)} {got.dtype} is not the product's {tuple(want.shape)} {want.dtype}"
-    region = [*site.scores_path, *(u for n in site.scores_path for u in n.users if _inplace(u)), *site.probs_path, mm2]
-    inputs = {x for n in region for x in n.all_input_nodes} - set(region)
     mm2.replace_all_uses_with(result)
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in sorted(set(region), key=order.__getitem__, reverse=True):
@@ -1047,7 +1110,12 @@ def _mask(plan: _Plan, tracer: _Tracer, wrap: Callable) -> tuple[fx.Node | None 
             if value.requires_grad:
                 return ("a bias on the scores that requires grad (a learned position bias, as T5's or trained "
                         "ALiBi slopes): the rewrite reads no learned mask"), False  # fmt: skip
-            node = wrap(_refill(term.node, tracer))
+            # NOTE: a scaled bias keeps its fills: min * c is no lowest value, and (s + b) * c is
+            # s * c + b * c for every b (inf included) only as written.
+            node = wrap(term.node if term.scales else _refill(term.node, tracer))
+            for factor, how in term.scales:
+                factor = wrap(factor) if isinstance(factor, fx.Node) else factor
+                node = node * factor if how == "mul" else node / factor
         if len(term.lead) == 1 and value.dim() == 3 and value.shape[0] != 1:
             if value.shape[0] != plan.frame[0] * plan.frame[1]:
                 return f"a mask of shape {tuple(value.shape)} over scores of {term.lead} leading", False
@@ -1157,7 +1225,7 @@ def _read_term(node: fx.Node, term: _Term, n, static: bool, tracer: _Tracer, wra
         if term.keep:
             return f"its mask is no mask the rewrite reads: {structure}"
         return (f"a bias on the scores that needs the query position and is no mask the rewrite reads (a "
-                f"relative position bias, as T5's, or ALiBi): {structure}")  # fmt: skip
+                f"relative position bias, as T5's, or bidirectional ALiBi): {structure}")  # fmt: skip
     band = _band(keep)
     if band is None:
         return f"its mask, computed from module state, is no band of t - p: {structure}"

@@ -46,7 +46,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 
 __all__ = [
     "DecodePositions", "MaskStructure", "decode_positions", "key_mask", "key_values", "mask_structure", "runs",
-    "sharded_documents_reason",
+    "sharded_documents_reason", "sharded_keys_reason",
 ]
 
 
@@ -157,6 +157,29 @@ def _value(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+_LOWEST = torch.finfo(torch.float16).min  # the highest lowest value of a float dtype: fills at or below it mask
+_COMPARISONS = {"le": operator.le, "lt": operator.lt, "ge": operator.ge, "gt": operator.gt, "eq": operator.eq,
+                "ne": operator.ne}  # fmt: skip
+
+
+def _pointwise(name: str, args: tuple):
+    """``Op(name, args)``, with a comparison of a float mask ``where(c, a, b)`` (numbers, one of
+    them ``-inf`` or a dtype's lowest value) with a number folded into ``c``, ``not c`` or a
+    constant: Falcon tests ``mask < -1`` of ``where(allowed, 0, finfo.min)`` to get its bool mask
+    back. (Group ids ``where(c, 0, -1) >= 0`` stay as written: ``_blocks`` reads them so.)"""
+    if name in _COMPARISONS and len(args) == 2:
+        x, y = args
+        if (
+            isinstance(x, Op) and x.name == "where" and isinstance(y, Const) and y.node is None
+            and all(isinstance(a, Const) and a.node is None for a in x.args[1:])
+            and any(isinstance(a.value, float) and a.value <= _LOWEST for a in x.args[1:])
+        ):  # fmt: skip
+            cond, yes, no = x.args
+            a, b = (bool(_COMPARISONS[name](c.value, y.value)) for c in (yes, no))
+            return cond if (a, b) == (True, False) else Op("not", (cond,)) if (a, b) == (False, True) else Const(a)
+    return Op(name, args)
+
+
 def _shape(node) -> tuple[int, ...]:
     v = _value(node)
     if v is None:
@@ -214,18 +237,20 @@ class _Reader:
         target, args, kwargs = node.target, node.args, node.kwargs
         shape = _shape(node)
         if target in _NAMES:
-            return Op(_NAMES[target], tuple(self.operand(a, shape) for a in args[:2]))
+            return _pointwise(_NAMES[target], tuple(self.operand(a, shape) for a in args[:2]))
         if target in _NOT or target in _NEG:
             return Op("not" if target in _NOT else "neg", (self.operand(args[0], shape),))
         if target in _ABS:
             return Op("abs", (self.operand(args[0], shape),))
         if target is torch.where and len(args) == 3:
             return Op("where", tuple(self.operand(a, shape) for a in args))
-        if target == "masked_fill":
+        if target in ("masked_fill", torch.masked_fill):
             x, cond, value = args
             return Op("where", (self.operand(cond, shape), self.operand(value, shape), self.operand(x, shape)))
         if target is torch.arange:
             return _arange(args, kwargs)
+        if target in (torch.cumsum, "cumsum"):
+            return self._cumsum(args[0], args[1] if len(args) > 1 else kwargs["dim"], shape)
         if target in ("new_ones", "new_zeros", "new_full") or target in (torch.ones, torch.zeros, torch.full):
             return Const(_fill(target, args))
         if target in _SAME:
@@ -254,6 +279,14 @@ class _Reader:
         if target is operator.getitem:
             return self._getitem(args[0], args[1], shape)
         return self._opaque(node)
+
+    def _cumsum(self, x, dim: int, shape: tuple[int, ...]):
+        """``cumsum`` of a constant ``c`` along ``dim``: ``c * (i + 1)`` (Falcon numbers its keys
+        as ``ones.cumsum(-1) - 1``); of anything else, an opaque tensor."""
+        e = self.expr(x)
+        if not isinstance(e, Const) or e.node is not None:
+            raise ValueError("cumsum of a tensor")  # read as an opaque tensor
+        return Op("mul", (e, Op("add", (Dim(dim % len(shape)), Const(1)))))
 
     def _cast(self, x, dtype):
         e = self.expr(x)
@@ -413,10 +446,10 @@ class MaskStructure:
         return list(dict.fromkeys(n for e in exprs for n in _data(e)))
 
     @property
-    def absolute_keys(self) -> bool:
-        """Whether a key conjunct reads the key's position as a number (not as an index into a
-        tensor): in sharded mode that would be the local position."""
-        return any(_T in _free_dims(e) for e in (*self.keys, *self.biases))
+    def reads_key_positions(self) -> bool:
+        """Whether a key bias reads the key's position as a number (ALiBi's ``slope_h * t``): the
+        key mask is then evaluated at each key's global position (``key_mask``'s ``keys``)."""
+        return any(_T in _free_dims(e) for e in self.biases)
 
     def describe(self) -> str:
         if self.blocks:
@@ -454,7 +487,7 @@ def mask_structure(mask: fx.Node, n: int, *, specialise: bool = True) -> MaskStr
         if _value(mask).dtype == torch.bool:
             band = _conjuncts(e, parts)
         else:
-            band = _additive(e, parts)
+            band = _additive(e, parts, torch.finfo(_value(mask).dtype).min)
     except NotStructured as error:
         return f"dense attn_mask whose structure cannot be read ({error})"
     if band is None:
@@ -530,9 +563,14 @@ class _Parts:
     blocks: bool = False
 
 
-def _additive(e, parts: _Parts):
+def _additive(e, parts: _Parts, lowest: float):
     """A float mask: a sum of ``where(allowed, x, -inf)`` terms (``masked_fill(~allowed, -inf)``
-    alike) and key biases; returns the band (or None)."""
+    alike) and key biases; returns the band (or None).
+
+    A fill at or below ``lowest`` (the mask dtype's ``finfo.min``, transformers' fill) masks as
+    ``-inf`` does: a masked key's weight is ``exp(min - max)``, 0 in every row with a key allowed
+    (scores below ``finfo.max / 2`` in magnitude). Only a row with no key allowed differs: there
+    the dense mask gives the mean of the values and the rewrite 0 (docs/semantics.md, Accuracy)."""
     band: tuple = (None, None)
     terms = _terms(e)
     while terms:
@@ -543,11 +581,15 @@ def _additive(e, parts: _Parts):
             parts.biases.append(term)
             continue
         if not (isinstance(term, Op) and term.name == "where"):
-            return None
+            key = _key_part(term)
+            if key is None:
+                return None
+            parts.biases.append(key)
+            continue
         cond, yes, no = term.args
-        if _is(no, _NEG_INF):
+        if _masks(no, lowest):
             allowed, rest = cond, yes
-        elif _is(yes, _NEG_INF):
+        elif _masks(yes, lowest):
             allowed, rest = Op("not", (cond,)), no
         else:
             return None
@@ -557,6 +599,47 @@ def _additive(e, parts: _Parts):
         band = _meet(band, got)
         terms += _terms(rest)  # where the condition allows, the rest adds
     return band
+
+
+def _key_part(e):
+    """``f`` where ``e`` is ``f(b, h, t) + g(b, h, p)``, or None: ``g``, constant along a row,
+    changes no softmax, so ``e`` adds as the key bias ``f`` (ALiBi written relative, ``slope_h *
+    (t - p)``, adds as ``slope_h * t``). Sums, differences and products with a factor that reads
+    neither position are split; ``g`` may read no tensor at ``p`` (where it could be infinite, a
+    row of the dense mask would be masked whole)."""
+    dims = _dims(e)
+    if _P not in dims:
+        return e
+    if _T not in dims:
+        return Const(0) if not any(_P in _dims(x) for d in _data_reads(e) for x in d.index) else None
+    if isinstance(e, Op) and e.name in ("add", "sub"):
+        a, b = (_key_part(x) for x in e.args)
+        return None if a is None or b is None else Op(e.name, (a, b))
+    if isinstance(e, Op) and e.name == "neg":
+        a = _key_part(e.args[0])
+        return None if a is None else Op("neg", (a,))
+    if isinstance(e, Op) and e.name == "mul":
+        x, y = e.args
+        if not {_P, _T} & _dims(x):
+            y = _key_part(y)
+            return None if y is None else Op("mul", (x, y))
+        if not {_P, _T} & _dims(y):
+            x = _key_part(x)
+            return None if x is None else Op("mul", (x, y))
+    return None
+
+
+def _data_reads(e) -> list[Data]:
+    if isinstance(e, Data):
+        return [e, *(d for a in e.index for d in _data_reads(a))]
+    if isinstance(e, Op):
+        return [d for a in e.args for d in _data_reads(a)]
+    return []
+
+
+def _masks(e, lowest: float) -> bool:
+    """Whether ``e`` is a fill that masks: ``-inf``, or at most the dtype's lowest value."""
+    return isinstance(e, Const) and isinstance(e.value, (int, float)) and e.value <= lowest
 
 
 def _terms(e) -> list:
@@ -865,17 +948,23 @@ def decode_positions(mask: fx.Node) -> DecodePositions | str | None:
 # ---- the key mask, in the graph ---------------------------------------------------------------
 
 
-def key_mask(structure: MaskStructure, dtype: torch.dtype, *data: torch.Tensor) -> torch.Tensor:
-    """The key conjuncts and biases as an additive bias ``(B|1, H|1, N)`` in ``dtype`` (0 or
-    ``-inf`` where a conjunct masks, plus the biases); ``data`` are the tensors
-    ``structure.data`` names, in order (proxies while the rewrite traces this)."""
-    index, tensors = _key_index(structure, data)
+def key_mask(
+    structure: MaskStructure, like: torch.Tensor, *data: torch.Tensor, keys: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The key conjuncts and biases as an additive bias ``(B|1, H|1, N)`` in ``like``'s dtype,
+    on its device (0 or ``-inf`` where a conjunct masks, plus the biases); ``data`` are the
+    tensors ``structure.data`` names, in order, and ``like`` the site's query (proxies while the
+    rewrite traces this: the bias is built from them, so a mask of constants alone is computed
+    in the graph too); ``keys (N,)`` the keys' global positions, where they are not ``0 ..
+    N-1`` (a rank's shard)."""
+    index, tensors = _key_index(structure, data, like)
+    numbers = None if keys is None else {**index, _T: keys.view(1, 1, 1, -1)}
     b, h, _, n = structure.shape
-    bias = torch.zeros(1, 1, 1, n, dtype=dtype, device=data[0].device if data else None)
+    bias = like.new_zeros(1, 1, 1, n)
     for e in structure.keys:
         bias = bias.masked_fill(~_evaluate(e, index, tensors).to(torch.bool), _NEG_INF)
     for e in structure.biases:
-        bias = bias + _evaluate(e, index, tensors)
+        bias = bias + _evaluate(e, index, tensors, numbers)
     lead = (b if _B in _uses(structure) else 1, h if _H in _uses(structure) else 1)
     return bias.expand(*lead, 1, n).reshape(*lead, n)
 
@@ -897,6 +986,50 @@ def runs(x: torch.Tensor) -> torch.Tensor:
     return (torch.diff(x, prepend=x[:, :1] - 1, dim=-1) != 1).cumsum(-1)
 
 
+def sharded_keys_reason(structure: MaskStructure, is_input) -> str | None:
+    """Why the key mask of ``structure`` cannot be evaluated on each rank's own keys in sharded
+    mode, or None. Each rank evaluates it over its keys, at their global positions: that needs
+    key conjuncts that read the key's position only as an index into a tensor (a prefix ``t <
+    L`` is ``L`` of the local shard), biases that read it as a number only linearly (``slope_h *
+    t``: then a shard's offset is a constant of every row), and tensors read at the key that the
+    caller cut along the sequence (``is_input(node)``), not computed from the shard (BLOOM's
+    ``cumsum`` of the local ``attention_mask``)."""
+    if any(_T in _free_dims(e) for e in structure.keys):
+        return "its mask reads key positions as numbers, which in sharded mode are each rank's local positions"
+    if not all(_affine_in_key(e) for e in structure.biases):
+        return (
+            "its key bias reads key positions as numbers other than linearly, and in sharded mode "
+            "positions are each rank's local ones"
+        )
+    for e in (*structure.keys, *structure.biases):
+        for d in _data_reads(e):
+            if any(_T in _dims(i) for i in d.index) and not is_input(d.node):
+                return (
+                    f"its key mask or bias reads {d.node} at each key, computed in the graph from this "
+                    "rank's shard, which in sharded mode holds this rank's tokens only (BLOOM's and "
+                    "Falcon's ALiBi number keys from the shard's attention_mask or length): pass it as "
+                    "an input, or run such a model in replicated mode"
+                )
+    return None
+
+
+def _affine_in_key(e) -> bool:
+    """Whether ``e`` reads the key position ``t`` as a number (outside tensor indices) only as
+    ``a * t + c``, ``a`` and ``c`` free of it."""
+    if _T not in _free_dims(e):
+        return True
+    if isinstance(e, Dim):
+        return True
+    if isinstance(e, Op) and e.name in ("add", "sub"):
+        return all(_affine_in_key(a) for a in e.args)
+    if isinstance(e, Op) and e.name == "neg":
+        return _affine_in_key(e.args[0])
+    if isinstance(e, Op) and e.name == "mul":
+        x, y = e.args
+        return (_T not in _free_dims(x) and _affine_in_key(y)) or (_T not in _free_dims(y) and _affine_in_key(x))
+    return False
+
+
 def sharded_documents_reason(structure: MaskStructure, is_input) -> str | None:
     """Why the documents of ``structure`` cannot be told across ranks in sharded mode, or None.
     Each rank computes its keys' values of the expressions and gathers them: that needs
@@ -915,9 +1048,11 @@ def sharded_documents_reason(structure: MaskStructure, is_input) -> str | None:
     return None
 
 
-def _key_index(structure: MaskStructure, data) -> tuple[dict, dict]:
+def _key_index(structure: MaskStructure, data, like: torch.Tensor | None = None) -> tuple[dict, dict]:
+    """The index of every dim over the keys (``p`` at 0), and the tensors by their nodes; the
+    indices on ``like``'s device (``data``'s, without it)."""
     b, h, _, n = structure.shape
-    device = data[0].device if data else None
+    device = like.device if like is not None else data[0].device if data else None
     index = {
         _B: torch.arange(b, device=device).view(b, 1, 1, 1),
         _H: torch.arange(h, device=device).view(1, h, 1, 1),
@@ -938,18 +1073,20 @@ _EVAL = {
 }  # fmt: skip
 
 
-def _evaluate(e, index: dict, tensors: dict):
+def _evaluate(e, index: dict, tensors: dict, numbers: dict | None = None):
+    """``e`` at ``index``; a dim read as a number (outside a tensor's index) at ``numbers``,
+    where given (a shard's global key positions, while its tensors are indexed locally)."""
     if isinstance(e, Dim):
-        return index[e.i]
+        return (index if numbers is None else numbers)[e.i]
     if isinstance(e, Const):
         return e.value if e.node is None else tensors[e.node]
     if isinstance(e, Data):
         return tensors[e.node][tuple(_evaluate(i, index, tensors) for i in e.index)]
-    args = [_evaluate(a, index, tensors) for a in e.args]
+    args = [_evaluate(a, index, tensors, numbers) for a in e.args]
     if e.name in _EVAL:
         return _EVAL[e.name](*args)
     if e.name == "not":
-        return ~args[0] if isinstance(args[0], torch.Tensor) else not args[0]
+        return ~args[0] if isinstance(args[0], (torch.Tensor, fx.Proxy)) else not args[0]
     if e.name == "neg":
         return -args[0]
     if e.name == "where":

@@ -61,6 +61,7 @@ from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.decode import decode_attention
 from ring_rewrite.layout import assemble
+from ring_rewrite.layout import positions as shard_positions
 from ring_rewrite.p2p import (
     Rotater, check_agreement, checking_transfers, name_sites, resolve_group, ring_group, variant_hash,
 )  # fmt: skip
@@ -71,7 +72,9 @@ from .find_sdpa import (
     SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
     is_caller_input, is_decode_step, local_positions, sdpa_unsupported_reason, static_strides,
 )  # fmt: skip
-from .masks import MaskStructure, decode_positions, key_mask, key_values, runs, sharded_documents_reason
+from .masks import (
+    MaskStructure, decode_positions, key_mask, key_values, runs, sharded_documents_reason, sharded_keys_reason,
+)
 from .records import TOUCHED, SiteRecord, leave_alone, records, sharded
 
 __all__ = ["NAME", "rewrite_sdpa"]
@@ -244,11 +247,10 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
         reason = sharded_documents_reason(structure, is_caller_input)
         if reason is not None:
             raise ValueError(f"its mask keeps documents apart (doc[p] == doc[t]), but {reason}")
-    if structure is not None and structure.absolute_keys and config.sharding == "sharded" and world > 1:
-        raise ValueError(
-            f"its mask ({structure.describe()}) reads key positions as numbers, which in sharded "
-            "mode are each rank's local positions"
-        )
+    if structure is not None and structure.has_keys and config.sharding == "sharded" and world > 1:
+        reason = sharded_keys_reason(structure, is_caller_input)
+        if reason is not None:
+            raise ValueError(f"{reason} ({structure.describe()})")
     build = functools.partial(_build, site, structure, config, index)
     try:
         return build(group, world, rank, pad=0), None
@@ -294,6 +296,7 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         scale=d**-0.5 if site.scale is None else float(site.scale),
         is_causal=bool(site.is_causal) or (structure is not None and structure.hi == 0),
         has_mask=site.attn_mask is not None if structure is None else structure.has_keys,
+        recentred=_biased(site, structure),
         band=_band(structure),
         documents=None if structure is None or structure.documents is None else structure.relation,
         branches=config.branches(n_global),
@@ -305,6 +308,14 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         pad=pad,
         dropout=float(site.dropout_p),
     )
+
+
+def _biased(site: SdpaSite, structure: MaskStructure | None) -> bool:
+    """Whether the site's key bias may hold more than a mask (``SitePlan.recentred``): a float
+    key mask given as it is, or a dense mask with an additive key bias (ALiBi's ``slope_h * t``)."""
+    if structure is not None:
+        return bool(structure.biases)
+    return site.attn_mask is not None and site.meta(site.attn_mask).dtype.is_floating_point
 
 
 def _band(structure: MaskStructure | None) -> tuple[int | None, int | None] | None:
@@ -357,6 +368,15 @@ def _checked_documents(structure: MaskStructure, docs, positions, where: str) ->
     return torch.ops.ring_rewrite.documents(docs, shift, where).unsqueeze(1).unsqueeze(-1)
 
 
+def _key_mask(structure: MaskStructure, plan: SitePlan, q: torch.Tensor, *data: torch.Tensor) -> torch.Tensor:
+    """``masks.key_mask`` over this rank's keys; in sharded mode at their global positions, where
+    a bias reads them (``slope_h * t``)."""
+    keys = None
+    if plan.sharding == "sharded" and plan.world > 1 and structure.reads_key_positions:
+        keys = shard_positions(plan.n, world=plan.world, rank=plan.rank, layout=plan.layout, device=q.device)
+    return key_mask(structure, q, *data, keys=keys)
+
+
 def _key_bias(
     mask: torch.Tensor, plan: SitePlan, mask_shape: tuple[int, ...], is_bool: bool
 ) -> torch.Tensor:
@@ -382,7 +402,7 @@ def _rewrite_site(
             # The dense mask's key conjuncts, computed from the tensors it was built from.
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):
-                bias = emit(tracer, functools.partial(key_mask, structure, plan.dtype), *structure.data)
+                bias = emit(tracer, functools.partial(_key_mask, structure, plan), site.query, *structure.data)
             args.append(bias)
             names.append("mask")
         token = None

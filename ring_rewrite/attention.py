@@ -159,6 +159,20 @@ one), none (skipped, as causal attention skips blocks above the diagonal; never 
 or some: then the call gets ``band`` and the rows' positions, and the block op masks the band
 in chunks of query rows (``ops.BAND_CHUNK`` scores each), so nothing of size (queries x keys)
 is ever held. Memory stays O(N/P); a window shorter than the shards skips most ring blocks.
+
+Note [Recentred key biases]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A key bias that is more than a mask can be large: ALiBi written as a key bias (BLOOM, MPT,
+Falcon: ``slope_h * t``, the ``-slope_h * p`` part being constant along a row) reaches 32,768
+at ``t = 65,536`` with slope 1/2, where a float32 score keeps 3 decimals. Such a site
+(``SitePlan.recentred``) never adds the bias as it is: each block call gets its query rows'
+own key bias ``b_p`` (the bias at the row's position, which in self-attention is a key: the
+rows of this rank's bias) and adds ``b_t - b_p``, in chunks of query rows as a band is added
+(``ops.BAND_CHUNK`` scores each). ``b_p`` is a constant of the row, so the softmax is the same;
+every block of a row, in every branch and at every ring step, subtracts the same ``b_p``, so
+the lse merges are exact, and the backward gets the lse in the same frame. For ALiBi ``b_t -
+b_p`` is ``slope_h * (t - p)``, the dense bias itself, so the site is as accurate as that dense
+bias at any length. A row whose own bias masks (a padded position) takes 0 instead.
 """
 
 from __future__ import annotations
@@ -229,12 +243,15 @@ class SitePlan:
     document; ``le``: block-causal; ``ops.RELATIONS``): the site's calls take ``docs (B|1, 1, N,
     1)``, the id of every position (replicated mode or one rank: every rank holds them all; Note
     [Bands])."""
+    recentred: bool = False
+    """Whether the key bias holds more than a mask (a bias such as ALiBi's, which grows with the
+    position): block calls then recentre it (Note [Recentred key biases])."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0, band=None, documents=None,
+        pad=0, dropout=0.0, band=None, documents=None, recentred=False,
     ):  # fmt: skip
         pieces = world * shard_parts(layout)
         if world > 1 and n % pieces:
@@ -253,6 +270,7 @@ class SitePlan:
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
             world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band, documents,
+            recentred and has_mask,
         )  # fmt: skip
 
     @property
@@ -460,6 +478,17 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block):
     return rows
 
 
+def _own_bias(plan: SitePlan, bias: torch.Tensor | None, layout=None, blk: Block | None = None) -> dict:
+    """A block call's ``qbias``, the key bias of its query rows (Note [Recentred key biases]):
+    of a ring branch's rows ``blk.q0 .. blk.q1`` (``bias`` this rank's own), of a local branch
+    all of them; nothing where the plan does not recentre."""
+    if not plan.recentred or bias is None:
+        return {}
+    if blk is not None:
+        bias = _rows(bias, layout, blk.q0, blk.q1, dim=3)
+    return {"qbias": bias.squeeze(-2)}
+
+
 def _kv_and_bias(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The K/V a ring step holds, and their key bias if one travels with them."""
     return kv[:2], (kv[2] if len(kv) > 2 else None)
@@ -597,6 +626,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, q_dilated, kv, first, seed, do
     so does their key bias (a mask), if any (``kv``; ``first``: the step-0 transfer, if started)."""
     layout = branch.layout
     merged: dict = {}  # runs of parts [p0, p1) -> their (out, lse) merged so far
+    own_bias = _kv_and_bias(kv)[1]  # this rank's, at step 0
     for step, blocks in enumerate(branch.steps):
         moves = step + 1 < len(branch.ring)
         if moves:
@@ -618,6 +648,7 @@ def _ring_forward_chunk(plan, ring, i, c, branch, q_dilated, kv, first, seed, do
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
                     **band,
+                    **_own_bias(plan, own_bias, layout, blk),
                 )
             computed += [out, lse]
             with role("merge", branch=i, step=step):
@@ -718,7 +749,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
             with role("attention", branch=i):
                 out_dilated, lse_dilated = torch.ops.ring_rewrite.block_attention(
                     q_dilated, k_dilated, v_dilated, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
-                    **_band_args(plan, branch, blk, None, q_dilated, docs_padded),
+                    **_band_args(plan, branch, blk, None, q_dilated, docs_padded), **_own_bias(plan, bias),
                 )
         else:
             ring, q_dilated, k_dilated, v_dilated, bias, first = rings.pop(i)
@@ -836,6 +867,7 @@ def _ring_backward_chunk(
                     blk.causal,
                     *_drop(plan, seed, i, c, step, j),
                     **band,
+                    **_own_bias(plan, bias, layout, blk),
                 )
             computed += [dq_block, dk_block, dv_block]
             shares.append((blk.k0 * layout.m, dk_block, dv_block))
@@ -994,6 +1026,7 @@ def _local_chunk(
             dq_dilated, dk_dilated, dv_dilated = torch.ops.ring_rewrite.block_attention_backward(
                 dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias, plan.scale,
                 plan.is_causal, *_drop(plan, seed, i), **_band_args(plan, chunk, blk, None, q_dilated, docs),
+                **_own_bias(plan, bias),
             )  # fmt: skip
         computed += [dq_dilated, dk_dilated, dv_dilated]
         with role("undilate", branch=i):

@@ -70,12 +70,31 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any], compiler: str):
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
-    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    # NOTE: a user's own post-grad pass keys the FX graph cache instead of ours.
-    patches = {} if inductor_config.post_grad_custom_post_pass else inductor_lowering()
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, config_patches=_inductor_patches())
+
+
+def _inductor_patches() -> dict[str, Any]:
+    """The inductor config our compiles run under: ``inductor_lowering``'s patch, with the
+    user's own post-grad passes kept.
+
+    The patch's ``post_grad_custom_post_pass`` changes nothing; its ``uuid`` keys inductor's FX
+    graph cache (and AOT autograd's) to the ring's lowering, so code compiled under another
+    lowering is never reused. Where the user set ``post_grad_custom_post_pass`` too, theirs run
+    first, then ours: the key hashes every pass's ``uuid`` (a pass without one turns the cache
+    off), so it changes with our lowering and with theirs, whichever inductor options they set.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+    patches = dict(inductor_lowering())
+    ours = patches["post_grad_custom_post_pass"]
+    theirs = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
+    theirs = tuple(p for p in theirs if p is not ours)
+    if theirs:
+        patches["post_grad_custom_post_pass"] = (*theirs, ours)
+    return patches
 
 
 class lazy_print:

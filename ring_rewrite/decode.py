@@ -21,6 +21,10 @@ from .ops import stat_dtype
 
 __all__ = ["decode_attention"]
 
+# Bias values at or below it mask (half float32's lowest: -inf, transformers' finfo.min fills).
+# A constant: the step is traced with proxies, whose dtype is no value.
+_FLOOR = torch.finfo(torch.float32).min / 2
+
 
 def decode_attention(
     q: torch.Tensor,
@@ -56,7 +60,14 @@ def decode_attention(
     qg = q.to(acc).unflatten(1, (hkv, hq // hkv))
     scores = (qg @ k.to(acc).unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * scale + log_c
     if bias is not None:
-        scores = scores + bias.to(acc)
+        # Less each row's largest value (a constant of the row: the same softmax), a bias that
+        # grows with the position (ALiBi's slope_h * t) adds what the dense slope_h * (t - p)
+        # adds (Note [Recentred key biases] in attention.py); fills at or below half the lowest
+        # value mask and are passed over.
+        bias = bias.to(acc)
+        floor = _FLOOR
+        top = torch.where(bias > floor, bias, float("-inf")).amax(-1, keepdim=True)
+        scores = scores + (bias - torch.where(top > floor, top, 0.0))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)  # a row with nothing to attend: zeros
     probs = torch.exp(scores - top)

@@ -31,6 +31,10 @@ start)`` order the local branches' gradient sums (Note [Head chunks of local bra
 ``add_rows(total, x, start, rows, dtype)`` sums a ring step's gradients (Note [Gradient sums of a
 ring step] there).
 
+With ``qbias (B|1, H|1, L)``, the key bias at each query row's own position, both ops add the
+key bias less the row's own, in chunks of query rows, and the lse is relative to it (Note
+[Recentred key biases] in ``attention.py``).
+
 With ``band = [lo, hi]`` (``BAND_OPEN`` for an open end) and the rows' positions ``qpos (L,)``,
 ``kpos (S,)``, both ops let key ``t`` reach query ``p`` only if ``lo <= kpos[t] - qpos[p] <= hi``
 (and ``t <= p`` when causal): the mask is built per chunk of query rows, at most ``BAND_CHUNK``
@@ -88,31 +92,45 @@ def _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block):
 
 
 BAND_CHUNK = 1 << 22
-"""Scores per chunk of query rows when a band is applied (Note [Bands] in ``attention.py``)."""
+"""Scores per chunk of query rows when a band or a row's own bias is applied (Note [Bands] and
+Note [Recentred key biases] in ``attention.py``)."""
 
 
-def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc):
+def _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
     """Query rows ``[r0, r1)`` of each chunk and the chunk's additive bias ``(B|1, H|1, rows,
-    S)``: the key bias plus ``-inf`` outside the band (and above the diagonal when causal), and
-    between different documents."""
-    lo, hi, relation = band
+    S)``: the key bias (less each row's own, ``qbias``, where given) plus ``-inf`` outside the
+    band (and above the diagonal when causal), and between different documents.
+
+    A row's own bias at or below half the dtype's lowest (``-inf``, transformers' ``finfo.min``
+    fill: a padded position) is taken as 0; any constant of a row gives the same softmax."""
+    lo, hi, relation = _band(band) if band is not None else (None, None, None)
     if is_causal:
         hi = 0 if hi is None else min(hi, 0)
+    if qpos is None:  # top-left aligned positions of the block's rows
+        qpos, kpos = torch.arange(q.shape[2], device=q.device), torch.arange(k.shape[2], device=q.device)
     rows = max(1, BAND_CHUNK // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
     dtype = q.dtype if bias is None else bias.dtype
+    own = None
+    if qbias is not None:
+        own = torch.where(qbias > torch.finfo(qbias.dtype).min / 2, qbias, 0.0).to(dtype).unsqueeze(-1)
     for r0 in range(0, q.shape[2], rows):
         r1 = min(r0 + rows, q.shape[2])
-        d = kpos.view(1, -1) - qpos[r0:r1].view(-1, 1)
-        allowed = torch.ones_like(d, dtype=torch.bool)
-        if lo is not None:
-            allowed &= d >= lo
-        if hi is not None:
-            allowed &= d <= hi
-        allowed = allowed.view(1, 1, r1 - r0, -1)
-        if qdoc is not None:
-            allowed = allowed & relation(kdoc[:, :, None, :], qdoc[:, :, r0:r1, None])
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-        yield r0, r1, mask if bias is None else bias + mask
+        chunk = bias
+        if lo is not None or hi is not None or qdoc is not None:
+            d = kpos.view(1, -1) - qpos[r0:r1].view(-1, 1)
+            allowed = torch.ones_like(d, dtype=torch.bool)
+            if lo is not None:
+                allowed &= d >= lo
+            if hi is not None:
+                allowed &= d <= hi
+            allowed = allowed.view(1, 1, r1 - r0, -1)
+            if qdoc is not None:
+                allowed = allowed & relation(kdoc[:, :, None, :], qdoc[:, :, r0:r1, None])
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+            chunk = mask if chunk is None else chunk + mask
+        if own is not None:
+            chunk = chunk - own[:, :, r0:r1]
+        yield r0, r1, chunk
 
 
 @torch.library.custom_op("ring_rewrite::block_attention", mutates_args=())
@@ -131,10 +149,11 @@ def block_attention(
     kpos: torch.Tensor | None = None,
     qdoc: torch.Tensor | None = None,
     kdoc: torch.Tensor | None = None,
+    qbias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if band is None:
+    if band is None and qbias is None:
         return _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block)
-    chunks = _band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos, qdoc, kdoc)
+    chunks = _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias)
     outs, lses = [], []
     for c, (r0, r1, chunk_bias) in enumerate(chunks):
         chunk_block = None if block is None else [*block, c]
@@ -164,7 +183,7 @@ BAND_OPEN = -(1 << 62)
 
 @block_attention.register_fake
 def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None,
-      qdoc=None, kdoc=None):  # fmt: skip
+      qdoc=None, kdoc=None, qbias=None):  # fmt: skip
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=stat_dtype(q.dtype))
     return out, lse
@@ -189,14 +208,15 @@ def block_attention_backward(
     kpos: torch.Tensor | None = None,
     qdoc: torch.Tensor | None = None,
     kdoc: torch.Tensor | None = None,
+    qbias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-    if band is None:
+    if band is None and qbias is None:
         return _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block)
     dqs, dk, dv = [], None, None
     acc = stat_dtype(q.dtype)
-    chunks = _band_chunks(q, k, bias, is_causal, _band(band), qpos, kpos, qdoc, kdoc)
+    chunks = _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias)
     for c, (r0, r1, chunk_bias) in enumerate(chunks):
         rows = slice(r0, r1)
         chunk_block = None if block is None else [*block, c]
@@ -218,7 +238,7 @@ def _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p,
 
 @block_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None,
-      kpos=None, qdoc=None, kdoc=None):  # fmt: skip
+      kpos=None, qdoc=None, kdoc=None, qbias=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -24,8 +24,8 @@ messages then pair up wrong without an error. So every op here
   (``after``) and ignores them. The chain orders transfers, not the compute between them, and
   inductor's peak-memory reordering moved every dK/dV wait of the backward ahead of the block it
   overlaps (a wait frees the buffers it sent), leaving each of those transfers bare,
-* sends each message under its own tag: the transfer's place in its site (``transfer_tag``:
-  branch, kind, head chunk, step) plus the call's number, which the token carries with the
+* sends each message under its own tag: the transfer's place in its site (``Tag``: branch,
+  kind, head chunk, step) plus the call's number, which the token carries with the
   site (``site_token``). A schedule that still went wrong fails loudly (a timeout naming the
   transfer) instead of pairing the wrong buffers.
 
@@ -169,7 +169,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 __all__ = [
-    "Rotater", "Ring", "InFlight", "KV", "KV_BACK", "DKV", "transfer_tag", "checking_transfers",
+    "Rotater", "Ring", "InFlight", "KV", "KV_BACK", "DKV", "Tag", "transfer_tag", "checking_transfers",
     "inductor_lowering", "ring_shift_start", "ring_shift_wait", "all_gather_seq", "site_token",
     "resume_token", "close_call", "resolve_group", "global_rank", "global_ranks", "check_agreement",
     "variant_hash", "name_sites", "ring_group", "TransferTimeout", "RingOutOfStep", "MAX_BRANCHES",
@@ -179,11 +179,13 @@ log = logging.getLogger(__name__)
 
 _CHECK = os.environ.get("RING_REWRITE_CHECK_TRANSFERS", "0") not in ("", "0")
 
-# Transfer kinds, the second field of a tag.
+# Transfer kinds, a field of a tag.
 KV, KV_BACK, DKV, GATHER = range(4)
 _KINDS = ("K/V", "K/V (backward)", "dK/dV", "gather")
-MAX_BRANCHES = 16
-_TAG_BITS = 22  # a transfer's tag within its call is below 2**22 (transfer_tag)
+# A tag's fields and their widths in bits, from the low bits up (Tag.encode).
+_TAG_LAYOUT = (("step", 10), ("chunk", 6), ("kind", 2), ("branch", 4))
+_TAG_BITS = sum(bits for _, bits in _TAG_LAYOUT)  # 22: a transfer's tag within its call
+MAX_BRANCHES = 1 << dict(_TAG_LAYOUT)["branch"]  # 16
 _CALL_BITS = 6  # the call number's low bits above it; 8 * (wire tag) + message < 2**31 (gloo)
 FORWARD, BACKWARD = 0, 1
 
@@ -242,21 +244,67 @@ def checking_transfers() -> bool:
     return _CHECK
 
 
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    """A transfer's place in its site call: which branch, kind (``KV``, ``KV_BACK``, ``DKV``,
+    ``GATHER``), ring step and head chunk. A gather's is branch 0, its step the gather's index
+    in the call or, for each of its messages, the distance it goes (``all_gather_seq``).
+
+    Graphs, ``_PENDING`` and the messages carry it as one int, ``encode()``: from the low bits
+    up the step (10 bits), head chunk (6), kind (2) and branch (4), below ``2**22``; on the wire
+    the call number's low bits go above it (``_wire``). ``decode`` is its inverse, and ``str``
+    is how errors name the transfer. Nothing else reads the bits.
+
+    Example::
+
+        >>> Tag(branch=1, kind=DKV, step=5, chunk=7).encode()
+        400389
+        >>> str(Tag.decode(400389))
+        'branch 1, step 5, dK/dV, head chunk 7'
+    """
+
+    branch: int
+    kind: int
+    step: int
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        for name, bits in _TAG_LAYOUT:
+            value = getattr(self, name)
+            if not 0 <= value < 1 << bits:
+                raise ValueError(f"Tag.{name} must be in [0, {1 << bits}), got {value}")
+
+    def encode(self) -> int:
+        """The tag as one int, below ``2**22``."""
+        tag, shift = 0, 0
+        for name, bits in _TAG_LAYOUT:
+            tag |= getattr(self, name) << shift
+            shift += bits
+        return tag
+
+    @classmethod
+    def decode(cls, tag: int) -> Tag:
+        """The ``Tag`` whose ``encode()`` is ``tag``."""
+        if not 0 <= tag < 1 << _TAG_BITS:
+            raise ValueError(f"a transfer tag is in [0, {1 << _TAG_BITS}), got {tag}")
+        fields = {}
+        for name, bits in _TAG_LAYOUT:
+            fields[name], tag = tag & ((1 << bits) - 1), tag >> bits
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        if self.kind == GATHER:
+            return f"gather at distance {self.step}"
+        return f"branch {self.branch}, step {self.step}, {_KINDS[self.kind]}, head chunk {self.chunk}"
+
+
 def transfer_tag(branch: int, kind: int, step: int, chunk: int = 0) -> int:
-    """A transfer's tag within its site call: which branch, kind, head chunk and ring step."""
-    assert 0 <= kind < 4 and 0 <= chunk < 64 and 0 <= step < 1024 and 0 <= branch < MAX_BRANCHES
-    return ((branch * 4 + kind) * 64 + chunk) * 1024 + step
+    """A transfer's tag within its site call, as graphs carry it: ``Tag(...).encode()``."""
+    return Tag(branch, kind, step, chunk).encode()
 
 
 def _describe(site: int, call: int, tag: int) -> str:
-    step, chunk = tag % 1024, tag // 1024 % 64
-    kind, branch = tag // (1024 * 64) % 4, tag // (1024 * 64 * 4)
-    if kind == GATHER:
-        return f"site {site}, gather at distance {step} (tag {tag}, call {call})"
-    return (
-        f"site {site}, branch {branch}, step {step}, {_KINDS[kind]}, head chunk {chunk} "
-        f"(tag {tag}, call {call})"
-    )
+    return f"site {site}, {Tag.decode(tag)} (tag {tag}, call {call})"
 
 
 def _group(group_name: str) -> dist.ProcessGroup:

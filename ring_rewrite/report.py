@@ -36,9 +36,9 @@ and backward bodies. Three facts of the generated code set it:
   them contiguous one at a time: the block's gradients plus the largest of them (not for
   float32 CPU blocks without a bias: ``cpu_kernel.py`` writes them contiguous). With
   dropout, query rows go ``DROPOUT_CHUNK`` scores at a time, and two chunks' scores,
-  probabilities and masks overlap (``kernels.py``); with a band or documents, two chunks' masks
-  and one chunk's position differences (``BAND_CHUNK`` pairs) come on top, and the row chunks'
-  results beside their concatenation (``ops.py``).
+  probabilities and masks overlap (``kernels.py``); with a band, documents or a recentred key
+  bias, two chunks' masks and one chunk's position differences (``BAND_CHUNK`` pairs) come on
+  top, and the row chunks' results beside their concatenation (``ops.py``).
 
 So the backward peak is ``saved`` plus the largest of
 
@@ -256,7 +256,7 @@ def _block_extra(
     copied = backward and _copies_gradients(plan, branch)
     extra = max(q_rows * d, kv_rows * d, kv_rows * dv) * compute if copied else 0
     scores = q_rows // length * keys  # of one query row, over every head and batch
-    if plan.band is not None or plan.documents:
+    if plan.band is not None or plan.documents or plan.recentred:
         chunk = min(length, max(1, BAND_CHUNK // scores))
         pairs = chunk * (scores if plan.documents or plan.needs_bias(branch) else keys)
         several = chunk < length

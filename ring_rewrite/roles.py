@@ -19,6 +19,7 @@ _CURRENT: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
 
 ROLES = (
     "decompose",  # nn.MultiheadAttention / TransformerEncoderLayer ops spelled out around an SDPA
+    "hand_written",  # attention written as ops, read into one SDPA call (passes/hand_written.py)
     "bucket",  # a symbolic sequence length padded to its bucket, and the result cut back
     "mask",  # key-padding mask to additive bias
     "dropout",  # the seed of a call's dropout

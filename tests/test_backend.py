@@ -237,3 +237,41 @@ def test_errors_through_a_backend_object_name_the_backend():
     message = str(info.value)
     assert "backend='ring_dilated' raised" in message and " object at 0x" not in message
     assert "ring_rewrite: SDPA at test_backend.py:" in message and "dense attn_mask" in message
+
+
+def test_a_users_post_grad_pass_runs_and_the_cache_still_keys_on_the_ring_lowering(monkeypatch):
+    """The FX graph cache key hashes the ring lowering's ``uuid`` whatever the user set in
+    ``post_grad_custom_post_pass``, and their pass still runs: a compile runs their pass, the
+    same compile again hits the cache, and after the lowering changed it compiles again."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.utils import fresh_cache
+
+    from ring_rewrite.backend import _inductor_patches
+    from ring_rewrite.p2p import inductor_lowering
+
+    ran = []
+
+    class Theirs(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            ran.append(graph)
+
+        def uuid(self) -> bytes:
+            return b"theirs"
+
+    ours, theirs = inductor_lowering()["post_grad_custom_post_pass"], Theirs()
+    assert _inductor_patches()["post_grad_custom_post_pass"] is ours
+
+    def compile_and_run():
+        torch._dynamo.reset()
+        add_one = torch.compile(lambda x: x.sin() + 1, backend=ring_rewrite.backend(compiler="inductor"))
+        assert torch.allclose(add_one(torch.ones(4)), torch.ones(4).sin() + 1)
+        return len(ran)
+
+    with fresh_cache(), inductor_config.patch(post_grad_custom_post_pass=theirs, fx_graph_cache=True):
+        assert _inductor_patches()["post_grad_custom_post_pass"] == (theirs, ours)
+        compiled = compile_and_run()
+        assert compiled > 0  # their pass ran
+        assert compile_and_run() == compiled  # the same key: a cache hit, nothing compiled
+        monkeypatch.setattr(type(ours), "uuid", lambda self: b"another ring lowering")
+        assert compile_and_run() > compiled  # another key: compiled again, their pass ran

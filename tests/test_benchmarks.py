@@ -60,3 +60,15 @@ def test_scale_rows_match_the_reference():
         rows = scale._reference_rows(p, n)
         torch.testing.assert_close(rows["out"], out[:, :, p].detach(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(rows["dq"], dq[:, :, p], rtol=1e-10, atol=1e-12)
+
+
+def test_alibi_baseline_is_the_same_function():
+    """``alibi_accuracy.py``'s float32 baseline (the key bias added as it is, in chunks of
+    queries) is causal attention with that key bias: in float64 it is the reference."""
+    import alibi_accuracy
+
+    torch.manual_seed(0)
+    n = 2304  # more than one chunk of queries, the last one short
+    q, k, v = (torch.randn(1, alibi_accuracy.HEADS, n, 8, dtype=torch.float64) for _ in range(3))
+    ref = reference_attention(q, k, v, is_causal=True, key_bias=alibi_accuracy.key_bias(n).double(), query_chunk=512)
+    assert rel_err(alibi_accuracy._causal_key_bias(q, k, v), ref) < 1e-12

@@ -36,6 +36,23 @@ def test_decode_rows_are_the_last_rows_of_the_function(segs, rates, m, masked):
         assert rel_err(out, ref[:, :, -m:]) < 1e-5
 
 
+def test_decode_with_alibi_at_length_is_as_accurate_as_the_dense_bias():
+    """ALiBi's key bias ``slope_h * t`` reaches 2,048 at 8,192 tokens: a decode row adds it less
+    its largest value, so it is as accurate as the dense ``slope_h * (t - p)`` (a float32 score
+    of 2,048 keeps 4 bits after the point)."""
+    torch.manual_seed(0)
+    n, d = 8192, 16
+    q, k, v = (torch.randn(1, 2, n, d) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25]).view(1, 2, 1, 1)
+    t = torch.arange(n)
+    key_bias, dense = slopes * t.view(1, 1, 1, n), slopes * (t - (n - 1)).view(1, 1, 1, n)
+    whole = [(1 << 62, 1)]
+    ref = decode_attention(*(x.double() for x in (q[:, :, -1:], k, v, key_bias)), branches=whole, scale=0.25, is_causal=False)
+    got = decode_attention(q[:, :, -1:], k, v, key_bias, branches=whole, scale=0.25, is_causal=False)
+    as_dense = decode_attention(q[:, :, -1:], k, v, dense, branches=whole, scale=0.25, is_causal=False)
+    assert rel_err(got, ref) <= 2 * rel_err(as_dense, ref) + 1e-7
+
+
 class CachedAttention(nn.Module):
     """One attention layer with a KV cache, as a decoder's step calls it: q from the new tokens,
     k and v the cache with the new tokens' keys appended. With one key/value head it is

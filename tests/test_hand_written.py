@@ -511,11 +511,51 @@ class ReturnsProbabilities(Matmul):
         return self.probs @ v
 
 
+def _alibi(keep: torch.Tensor) -> torch.Tensor:
+    """ALiBi from the padding, as Falcon and BLOOM build it: ``(B, H, 1, N)``, a slope per head
+    times the key's position among the kept keys."""
+    slopes = 2.0 ** -torch.arange(1, H + 1, dtype=torch.float32)
+    position = (keep.long().cumsum(-1) - 1) * keep.long()
+    return slopes[None, :, None, None] * position[:, None, None, :].float()
+
+
+class MaskThenScale(Matmul):
+    """A mask, then the scale: ``masked_fill(s, ~causal, -inf) / sqrt(d)``."""
+
+    def attend(self, q, k, v, keep):
+        s = (q @ k.transpose(-2, -1)).masked_fill(~_causal(), float("-inf"))
+        return (s / math.sqrt(D)).softmax(-1) @ v
+
+
+class LearnedTemperatureAfterBias(Matmul):
+    """``(s + alibi) * t`` with ``t`` a parameter: SDPA's mask would take no gradient to ``t``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(D**-0.5))
+
+    def attend(self, q, k, v, keep):
+        return ((q @ k.transpose(-2, -1) + _alibi(keep)) * self.t).softmax(-1) @ v
+
+
+class AddedToThemselves(Matmul):
+    """``s + s``: no bias (the pass reads no scale spelled as a sum)."""
+
+    def attend(self, q, k, v, keep):
+        s = q @ k.transpose(-2, -1) * (0.5 * D**-0.5)
+        return (s + s).softmax(-1) @ v
+
+
 LEFT_ALONE = {
     "softcap": (Softcap, "a softcap (tanh) on the scores"),
     "learned_bias": (RelativeBias, "a bias on the scores that requires grad"),
     "approximate_fill": (ApproximateFill, "the scores are masked with -1e+09, not -inf"),
     "returns_probabilities": (ReturnsProbabilities, "the attention probabilities are used elsewhere"),
+    "mask_then_scale": (MaskThenScale, "the scores are scaled after a mask is applied"),
+    "learned_temperature_after_bias": (
+        LearnedTemperatureAfterBias, "the scores are scaled after a bias by a tensor that requires grad"
+    ),
+    "added_to_themselves": (AddedToThemselves, "the scores are added to themselves"),
 }
 
 
@@ -699,3 +739,172 @@ def test_transformers_softcap_and_learned_bias_are_left_alone():
         recorder = Capture()
         torch.compile(model, backend=recorder)(_ids(), attention_mask=torch.ones(B, N, dtype=torch.long))
         assert recorder.records and all(r.reason.startswith(reason) for r in recorder.records), recorder.records
+
+
+# ---- a key bias scaled with the scores, einsum with the keys first ------------------------------
+
+
+class KeyBiasSpelling(Spelling):
+    """Causal and padded, with the float key bias ``key_bias(keep)`` in the reference."""
+
+    causal = padded = True
+
+    def key_bias(self, keep):
+        return torch.zeros(B, H, 1, N)
+
+    def forward(self, x, keep):
+        if self.reference is None:
+            return super().forward(x, keep)
+        q, k, v = (p(x).view(B, N, H, D).transpose(1, 2) for p in (self.q, self.k, self.v))
+        bias = self.key_bias(keep).double().masked_fill(~keep[:, None, None, :], float("-inf"))
+        out = reference_attention(
+            q, k, v, is_causal=True, key_bias=bias, scale=D**-0.5,
+            segment_lengths=self.reference.get("segment_lengths"),
+            dilation_rates=self.reference.get("dilation_rates"),
+        ).to(x.dtype)  # fmt: skip
+        return self.o(out.transpose(1, 2).reshape(B, N, E))
+
+
+class FalconAlibi(KeyBiasSpelling):
+    """Falcon's eager ALiBi: ``s + alibi``, then ``*= 1 / sqrt(d)`` (a scale after a bias), then
+    transformers' mask, which holds ``alibi / sqrt(d)`` again."""
+
+    def key_bias(self, keep):
+        return 2 * _alibi(keep) * D**-0.5
+
+    def attend(self, q, k, v, keep):
+        alibi = _alibi(keep)
+        allowed = _causal()[None, None] & keep[:, None, None, :]
+        mask = torch.where(allowed, torch.full((), 0.0), LOWEST)
+        mask = torch.masked_fill(alibi / math.sqrt(D), mask < -1, LOWEST)
+        s = q @ k.transpose(-1, -2)
+        s = s + alibi.view(B, H, 1, -1)
+        s *= 1.0 / math.sqrt(D)
+        return F.softmax(s + mask, dim=-1, dtype=torch.float32) @ v
+
+
+class BloomAlibi(KeyBiasSpelling):
+    """BLOOM: ``alibi.baddbmm(batch1=q, batch2=kt, beta=1, alpha=c)`` with keyword operands."""
+
+    def key_bias(self, keep):
+        return _alibi(keep)
+
+    def attend(self, q, k, v, keep):
+        alibi = _alibi(keep).reshape(B * H, 1, N)
+        q3, kt3 = q.reshape(B * H, N, D), k.transpose(-1, -2).reshape(B * H, D, N)
+        s = alibi.baddbmm(batch1=q3, batch2=kt3, beta=1.0, alpha=D**-0.5).view(B, H, N, N)
+        s = torch.masked_fill(s, ~(_causal()[None, None] & keep[:, None, None, :]), LOWEST)
+        p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(p.view(B * H, N, N), v.reshape(B * H, N, D)).view(B, H, N, D)
+
+
+class ScaleTensorAfterBias(KeyBiasSpelling):
+    """``(s + bias) / t``, ``t`` a one-element tensor (it moves onto q, and divides the bias)."""
+
+    def key_bias(self, keep):
+        return _alibi(keep) / math.sqrt(D)
+
+    def attend(self, q, k, v, keep):
+        s = (q @ k.transpose(-1, -2) + _alibi(keep)) / torch.tensor(math.sqrt(D))
+        s = s.masked_fill(~(_causal()[None, None] & keep[:, None, None, :]), float("-inf"))
+        return s.softmax(-1) @ v
+
+
+class EinsumKeysFirst(KeyBiasSpelling):
+    """``einsum("bhmd,bhnd->bhnm", k, q)`` and ``einsum("bhmd,bhnm->bhnd", v, p)``."""
+
+    def attend(self, q, k, v, keep):
+        s = torch.einsum("bhmd,bhnd->bhnm", k, q) * D**-0.5
+        s = s.masked_fill(~_causal(), float("-inf")).masked_fill(~keep[:, None, None, :], float("-inf"))
+        return torch.einsum("bhmd,bhnm->bhnd", v, s.softmax(-1))
+
+
+KEY_BIAS_SPELLINGS = {
+    "falcon_alibi": FalconAlibi, "bloom_alibi": BloomAlibi, "scale_tensor_after_bias": ScaleTensorAfterBias,
+    "einsum_keys_first": EinsumKeysFirst,
+}  # fmt: skip
+
+
+class KeyBiasMixed(Mixed):
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.spellings = nn.ModuleDict({name: cls() for name, cls in KEY_BIAS_SPELLINGS.items()})
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_a_bias_scaled_with_the_scores_and_keys_first_einsum(config_name):
+    """``(s + b) * c`` is SDPA with scale ``c`` and the bias ``b * c``: rewritten, equal to eager
+    (exact) and to the float64 reference with the key bias (dilated), outputs and gradients."""
+    config = CONFIGS[config_name]
+    model = KeyBiasMixed().eval()
+    backend = ring_rewrite.backend(compiler="aot_eager", **config)
+    got = _forward_backward(model, torch.compile(model, backend=backend, fullgraph=True))
+    assert len(backend.records) == len(KEY_BIAS_SPELLINGS), backend.records
+    assert all(r.rewritten and r.plan.is_causal for r in backend.records), backend.records
+    reference = KeyBiasMixed().eval()
+    if config:
+        reference = reference.double()
+        for m in reference.spellings.values():
+            m.reference = config
+    expected = _forward_backward(reference, dtype=torch.float64 if config else torch.float32)
+    for i, name in enumerate(KEY_BIAS_SPELLINGS):
+        assert rel_err(got[0][i], expected[0][i]) < BOUND, (config_name, name)
+    largest = max(g.abs().max().item() for g in expected[1].values())
+    for key, grad in expected[1].items():
+        if key.endswith(".k.bias"):  # 0 up to rounding (_check_mixed)
+            error = (got[1][key].double() - grad.double()).abs().max().item() / largest
+        else:
+            error = rel_err(got[1][key], grad)
+        assert error < BOUND, (config_name, key, error)
+
+
+def test_the_scale_of_a_bias_reaches_the_sdpa_call():
+    model = _build_key_bias("falcon_alibi")
+
+    def check(gm, inputs):
+        (expected,) = gm(*inputs)
+        hand_written_to_sdpa(gm, inputs, config=RingDilatedConfig())
+        (sdpa,) = _sdpa_nodes(gm)
+        assert sdpa.kwargs["scale"] == pytest.approx(D**-0.5) and not sdpa.kwargs["is_causal"]
+        assert sdpa.kwargs["attn_mask"].meta["example_value"].dtype == torch.float32
+        assert rel_err(gm(*inputs)[0], expected) < BOUND
+
+    _on_graph(model, _inputs(), check)
+
+
+def _build_key_bias(name: str) -> Spelling:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return KEY_BIAS_SPELLINGS[name]().eval()
+
+
+# ---- a bug in reading one site ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["_scores_op", "_probs_path"])
+def test_an_error_in_reading_a_site_leaves_that_site_alone(monkeypatch, where):
+    """An exception inside the pass (a bug) while reading one site leaves that site alone, with the
+    error in its reason; the other sites are rewritten and the model is unchanged."""
+    from ring_rewrite.passes import hand_written
+
+    original, calls = getattr(hand_written, where), []
+
+    def first_raises(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a bug")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(hand_written, where, first_raises)
+    model = _mixed(["matmul", "nanogpt"])
+    recorder = Capture()
+    x, keep = _inputs()
+    got = torch.compile(model, backend=recorder, fullgraph=True)(x, keep)
+    records = recorder.records
+    assert len(records) == 2, records
+    (alone,) = [r for r in records if not r.rewritten]
+    assert alone.kind == "hand_written" and alone.reason == "hand_written could not read this site: ValueError: a bug"
+    assert counters["ring_rewrite"]["hand_written"] == 1
+    assert rel_err(got, model(x, keep)) < BOUND

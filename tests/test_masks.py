@@ -94,11 +94,49 @@ def distance_bias(q, pad):
     return band + (i - n // 2).abs() * -0.1 + torch.where(pad, 0.0, float("-inf"))[:, None, None, :]
 
 
+def slopes(heads: int) -> torch.Tensor:
+    """ALiBi's slopes: ``2 ** (-8 (j + 1) / H)`` for head ``j``."""
+    return torch.tensor([2.0 ** (-8 * (j + 1) / heads) for j in range(heads)])
+
+
+def alibi_key(q, pad):
+    """ALiBi as BLOOM and MPT add it, the key bias ``slope_h * t`` (``-slope_h * p`` is constant
+    along a row), under a causal mask and padding filled with ``finfo.min``, as transformers
+    fills float masks."""
+    n = q.shape[2]
+    i = torch.arange(n)
+    allowed = (i[None, :] <= i[:, None]) & pad[:, None, None, :]
+    return torch.where(allowed, 0.0, torch.finfo(q.dtype).min) + slopes(q.shape[1]).view(1, -1, 1, 1) * i.view(1, 1, 1, n)
+
+
+def alibi_relative(q, pad):
+    """ALiBi written relative, ``slope_h * (t - p)``, under a causal mask, and padding."""
+    i = torch.arange(q.shape[2])
+    distance = (i[None, :] - i[:, None]).to(q.dtype)
+    causal = torch.where(i[None, :] <= i[:, None], 0.0, float("-inf"))
+    return causal + slopes(q.shape[1]).view(1, -1, 1, 1) * distance + torch.where(pad, 0.0, float("-inf"))[:, None, None, :]
+
+
+def bart_padding(q, pad):
+    """The key-padding mask of BART-era code: a float ``(B, 1, N, N)`` of zeros filled with
+    ``-inf`` where ``~pad``."""
+    n = q.shape[2]
+    return torch.zeros(q.shape[0], 1, n, n).masked_fill(~pad[:, None, None, :], float("-inf"))
+
+
+def constant_bias(q, pad):
+    """A key bias of constants alone (no tensor read) on a causal mask filled with ``finfo.min``:
+    the bias is computed in the graph."""
+    i = torch.arange(q.shape[2])
+    causal = torch.where(i[None, :] <= i[:, None], 0.0, torch.finfo(q.dtype).min)
+    return torch.zeros(q.shape[0], q.shape[1], 1, q.shape[2]) * 0.5 + causal
+
+
 CONSTRUCTIONS = {
     f.__name__: f
     for f in (
         hf_causal, hf_encoder, hf_window, tril_float, subsequent_window, two_sided, hf_bidirectional_window,
-        distance_bias,
+        distance_bias, alibi_key, alibi_relative, bart_padding, constant_bias,
     )
 }  # fmt: skip
 # (is_causal, band, key bias) each reads as.
@@ -111,12 +149,20 @@ STRUCTURE = {
     "two_sided": (False, (-W, W), True),
     "hf_bidirectional_window": (False, (-W, W), True),
     "distance_bias": (False, (-W, W), True),
+    "alibi_key": (True, None, True),
+    "alibi_relative": (True, None, True),
+    "bart_padding": (False, None, True),
+    "constant_bias": (True, None, True),
 }
 
 
-def dense(kind: str, n: int, pad: torch.Tensor) -> torch.Tensor:
-    """The mask over the global sequence, as a bool keep-mask or additive bias (the reference's)."""
-    return CONSTRUCTIONS[kind](torch.empty(pad.shape[0], 1, n, 1), pad)
+def dense(kind: str, n: int, pad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The mask over the global sequence, as a bool keep-mask or additive bias (the reference's):
+    a ``finfo.min`` fill as the ``-inf`` it is read as (docs/semantics.md, Accuracy)."""
+    mask = CONSTRUCTIONS[kind](torch.empty(pad.shape[0], heads, n, 1), pad)
+    if mask.dtype == torch.bool:
+        return mask
+    return mask.masked_fill(mask <= torch.finfo(mask.dtype).min / 2, float("-inf"))
 
 
 def _padding(b: int, n: int) -> torch.Tensor:
@@ -216,7 +262,7 @@ def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated
     q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for _ in range(3))
     dout = torch.randn(2, 4, n, 8)
     pad = _padding(2, n)
-    ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=dense(kind, n, pad))
+    ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=dense(kind, n, pad, q.shape[1]))
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
     torch._dynamo.reset()
     backend = ring_rewrite.backend(
@@ -242,7 +288,7 @@ def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated
     "kind",
     [
         "hf_causal", "hf_encoder", "hf_window", "subsequent_window", "two_sided", "hf_bidirectional_window",
-        "distance_bias",
+        "distance_bias", "alibi_key", "alibi_relative", "bart_padding", "constant_bias",
     ],
 )  # fmt: skip
 def test_one_rank_matches_reference(kind, segs, rates, compiler):
@@ -256,6 +302,7 @@ CASES_P2 = [
     ("hf_window", None, None, "sharded", "zigzag"),
     ("subsequent_window", [8, 64], [1, 2], "replicated", "contiguous"),
     ("two_sided", [16, 64], [1, 2], "sharded", "contiguous"),
+    ("alibi_key", [16, 64], [1, 2], "sharded", "zigzag"),  # key positions: global ones
 ]
 CASES_P4 = [("hf_window", [8, 32, 64], [1, 2, 4], "sharded", "zigzag")]  # one: a P = 4 compile is costly
 
@@ -548,3 +595,45 @@ def test_dense_mask_of_a_new_length_compiles_one_graph_per_bucket(name, compiler
         assert max(errors) < BOUND, (name, n, errors)
     counts = torch._dynamo.utils.counters["ring_rewrite"]
     assert (counts["rewritten"], counts["bucketed"], counts["skipped"]) == (3, 2, 0), dict(counts)
+
+
+# ---- ALiBi at length --------------------------------------------------------------------------
+
+
+def _relative_alibi(q, k, v, scale):
+    """Causal attention with ALiBi's dense bias ``slope_h * (t - p)`` in ``q``'s dtype: the
+    accuracy a key bias ``slope_h * t`` must match (Note [Recentred key biases])."""
+    i = torch.arange(q.shape[2])
+    bias = slopes(q.shape[1]).view(1, -1, 1, 1) * (i[None, :] - i[:, None]).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(i[None, :] > i[:, None], float("-inf")))
+
+
+def test_alibi_key_bias_is_as_accurate_as_the_dense_bias_at_length():
+    """At 4,096 tokens ``slope_h * t`` reaches 2,048, where a float32 score keeps 4 bits after
+    the point: added as it is the error is about 100x the dense bias's; recentred on each row's
+    own bias it is the dense bias's, forward and backward."""
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    torch.manual_seed(0)
+    n, scale = 4096, 0.25
+    q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 2, n, 16)
+    key_bias = (slopes(2).view(1, -1, 1, 1) * torch.arange(n).view(1, 1, 1, n)).double()
+    ref = reference_attention(q, k, v, is_causal=True, scale=scale, key_bias=key_bias, query_chunk=1024)
+    expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
+    dense = _relative_alibi(q, k, v, scale)
+    dense_errors = [rel_err(a, b) for a, b in zip((dense, *torch.autograd.grad(dense, (q, k, v), dout)), expected)]
+
+    def attend(q, k, v):
+        i = torch.arange(q.shape[2])
+        bias = slopes(q.shape[1]).view(1, -1, 1, 1) * i.view(1, 1, 1, -1).to(q.dtype)
+        mask = torch.where(i[None, :] <= i[:, None], 0.0, float("-inf")) + bias
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    torch._dynamo.reset()
+    backend = ring_rewrite.backend()
+    out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v)
+    errors = [rel_err(a, b) for a, b in zip((out, *torch.autograd.grad(out, (q, k, v), dout)), expected)]
+    assert backend.records[0].plan.recentred
+    assert all(e <= 2 * d for e, d in zip(errors, dense_errors)), (errors, dense_errors)

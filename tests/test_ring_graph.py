@@ -15,14 +15,70 @@ import torch
 import torch.nn.functional as F
 
 import ring_rewrite
-from ring_rewrite import testing
+from ring_rewrite import p2p, testing
+from ring_rewrite.p2p import DKV, GATHER, KV, KV_BACK, MAX_BRANCHES, Tag
 from ring_rewrite.testing import Capture, Transfer, assert_same_p2p_schedule, capture_ranks, site_body
 
 WORLD = 4
 
 
 def _branch_of(tag: int) -> int:
-    return tag // (1024 * 64 * 4) % 64  # p2p.transfer_tag
+    return Tag.decode(tag).branch
+
+
+@pytest.mark.parametrize("kind", [KV, KV_BACK, DKV, GATHER])
+def test_tags_decode_to_what_they_encode(kind):
+    tags = [
+        Tag(branch, kind, step, chunk)
+        for branch in range(MAX_BRANCHES)
+        for step in (0, 1, 2, 511, 512, 1023)
+        for chunk in (0, 1, 31, 63)
+    ]
+    encoded = [t.encode() for t in tags]
+    assert [Tag.decode(n) for n in encoded] == tags
+    assert len(set(encoded)) == len(tags) and all(0 <= n < 2**22 for n in encoded)
+    for n in range(kind << 16, (kind + 1) << 16, 97):  # every tag int decodes, and back
+        assert Tag.decode(n).encode() == n
+
+
+@pytest.mark.parametrize(
+    "tag, encoded",
+    [
+        (Tag(0, KV, 0), 0),
+        (Tag(0, KV, 3), 3),
+        (Tag(2, KV, 3), 524291),
+        (Tag(1, DKV, 5, 7), 400389),
+        (Tag(0, GATHER, 4), 196612),
+        (Tag(15, GATHER, 1023, 63), 2**22 - 1),
+    ],
+)
+def test_tags_encode_as_on_the_wire(tag, encoded):
+    # ((branch * 4 + kind) * 64 + chunk) * 1024 + step: the ints graphs and messages carry.
+    assert tag.encode() == encoded == ((tag.branch * 4 + tag.kind) * 64 + tag.chunk) * 1024 + tag.step
+    assert p2p.transfer_tag(tag.branch, tag.kind, tag.step, tag.chunk) == encoded
+
+
+@pytest.mark.parametrize(
+    "fields", [(MAX_BRANCHES, KV, 0), (0, 4, 0), (0, KV, 1024), (0, KV, 0, 64), (-1, KV, 0), (0, KV, -1)]
+)
+def test_tag_fields_out_of_range_are_errors(fields):
+    with pytest.raises(ValueError, match="Tag\\.(branch|kind|step|chunk) must be in"):
+        Tag(*fields)
+
+
+@pytest.mark.parametrize("encoded", [-1, 2**22])
+def test_tag_ints_out_of_range_are_errors(encoded):
+    with pytest.raises(ValueError, match="a transfer tag is in"):
+        Tag.decode(encoded)
+
+
+def test_errors_name_a_transfer_by_its_tag():
+    assert str(Tag(1, DKV, 5, 7)) == "branch 1, step 5, dK/dV, head chunk 7"
+    assert str(Tag(0, KV_BACK, 2)) == "branch 0, step 2, K/V (backward), head chunk 0"
+    assert str(Tag(0, GATHER, 3)) == "gather at distance 3"
+    named = "site 2, branch 1, step 5, dK/dV, head chunk 7 (tag 400389, call 9)"
+    assert p2p._describe(2, 9, 400389) == named
+    assert p2p._describe(0, 1, 196611) == "site 0, gather at distance 3 (tag 196611, call 1)"
 
 
 def _send_recv(capture: Capture, graph: str) -> list[Transfer]:
@@ -116,7 +172,7 @@ def test_each_transfer_starts_before_the_compute_it_overlaps_and_ends_after(per_
 def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeypatch):
     # Note [Head chunks]: with every kv head its own chunk, chunk c's dK/dV travel home while
     # chunk c + 1 computes; only the last chunk's last hop has no compute inside it.
-    from ring_rewrite import attention, p2p
+    from ring_rewrite import attention
 
     monkeypatch.setattr(attention, "RING_CHUNK_BYTES", 1)
     start, wait = torch.ops.ring_rewrite.ring_shift_start, torch.ops.ring_rewrite.ring_shift_wait
@@ -135,7 +191,7 @@ def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeyp
         chunks = record.plan.head_chunks(branch)
         assert chunks == 4
         last = len(branch.ring) - 1
-        last_hops = {p2p.transfer_tag(0, p2p.DKV, last, chunk) for chunk in range(chunks)}
+        last_hops = {Tag(0, DKV, last, chunk).encode() for chunk in range(chunks)}
         blocks_since, overlapped = {}, []  # last hop started -> backward blocks since its start
         for node in site_body(gm, 0, "bwd").graph.nodes:
             op = getattr(node.target, "overloadpacket", node.target)

@@ -259,6 +259,17 @@ ZOO: dict[str, Zoo] = {
         ),
         _lm_call, _two("transformer.h.{}.self_attention"),
     ),  # fmt: skip
+    # ALiBi folded into a float mask, masked_fill(slope_h * t / sqrt(d), ~allowed, finfo.min), padded
+    # on the right: with left padding a row would have no key allowed, where SDPA gives the mean of
+    # the values to a finfo.min fill and the rewrite 0 (docs/semantics.md, Accuracy).
+    "falcon_alibi": Zoo(
+        _causal_lm(
+            "FalconForCausalLM", "FalconConfig", alibi=True, multi_query=False, new_decoder_architecture=False,
+            ffn_hidden_size=64,
+        ),
+        lambda m: m(_ids(), attention_mask=_right_padding(), use_cache=False).logits,
+        _two("transformer.h.{}.self_attention"),
+    ),  # fmt: skip
     "gpt_neox": Zoo(
         _causal_lm("GPTNeoXForCausalLM", "GPTNeoXConfig"), _lm_call, _two("gpt_neox.layers.{}.attention")
     ),
@@ -370,6 +381,8 @@ def _reference_sdpa(config: dict[str, Any], calls: list[int], plain: tuple[int, 
         assert dropout_p == 0.0
         exact = len(calls) in plain
         calls.append(1)
+        if attn_mask is not None and attn_mask.is_floating_point():  # a finfo.min fill masks as -inf does
+            attn_mask = attn_mask.masked_fill(attn_mask <= torch.finfo(attn_mask.dtype).min / 2, float("-inf"))
         out = reference_attention(
             q, k, v, segment_lengths=None if exact else config.get("segment_lengths"),
             dilation_rates=None if exact else config.get("dilation_rates"), is_causal=is_causal, scale=scale,

@@ -17,8 +17,12 @@ from .schedule import first_difference, schedule_table, unpaired
 __all__ = ["assert_left_alone", "assert_rewritten", "assert_same_p2p_schedule"]
 
 _SDPA = ("scaled_dot_product_attention",)
-# What a site left alone still shows: its SDPA node, or its attention-module node.
-_LEFT_ALONE = (*_SDPA, "multi_head_attention_forward", "_transformer_encoder_layer_fwd")
+# What a site left alone still shows: its SDPA node, its attention-module node, or the softmax
+# of attention written by hand.
+_LEFT_ALONE = (
+    *_SDPA, "multi_head_attention_forward", "_transformer_encoder_layer_fwd", "softmax",
+    "Tensor.softmax",
+)  # fmt: skip
 
 
 def _records(obj: Any) -> list[Any]:
