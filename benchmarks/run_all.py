@@ -1,6 +1,6 @@
 """Run every benchmark, one process each, then print every target with met / not met.
 
-    python benchmarks/run_all.py                      # everything (about an hour on 2 cores)
+    python benchmarks/run_all.py                      # everything (about 80 minutes on 2 cores)
     python benchmarks/run_all.py --quick              # small sizes: a smoke run of each script
     python benchmarks/run_all.py --only torch_ring ring_memory
 
