@@ -1130,7 +1130,7 @@ def inductor_lowering() -> dict:
         started = start_kernel(sent, token, group_name, send_to, recv_from, tag)
         pending = in_flight.setdefault(V.graph, {})
         if tag in pending:  # two sites' transfers interleaved in one graph: not ours to pair
-            raise RuntimeError(f"ring_rewrite: transfer tag {tag} started twice in one graph")
+            raise RuntimeError(f"ring_rewrite: transfer {Tag.decode(tag)} (tag {tag}) started twice in one graph")
         pending[tag] = (sent, started.get_name(), len(V.graph.operations))
         return started
 
@@ -1138,7 +1138,9 @@ def inductor_lowering() -> dict:
     def _(xs, token, tag, after):
         flight = in_flight.get(V.graph, {}).pop(tag, None)
         if flight is None:
-            raise RuntimeError(f"ring_rewrite: ring_shift_wait (tag {tag}) has no start before it")
+            raise RuntimeError(
+                f"ring_rewrite: ring_shift_wait of {Tag.decode(tag)} (tag {tag}) has no start before it"
+            )
         sent, started, mark = flight
         # NOTE: what the graph computes between the start and the wait runs after the start:
         # the peak-memory reordering otherwise hoists a step's blocks (which need no token)
