@@ -708,6 +708,31 @@ def test_transformers_eager_is_rewritten_as_sdpa(name):
         assert _hf_errors(got, expected, zero) < BOUND
 
 
+def test_bloom_alibi_is_rewritten_and_equal_to_eager():
+    """BLOOM has no "sdpa" path: its eager attention (``alibi.baddbmm(batch1=q, batch2=kt)``, the
+    key bias ``slope_h * t``, a float causal mask) is read as SDPA with a recentred key bias and
+    equals eager, padded on the right (a left-padded row with no key differs: docs/semantics.md,
+    Accuracy)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=V, hidden_size=E, n_layer=2, n_head=H, initializer_range=0.2)
+    model = transformers.BloomForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    keep = torch.ones(B, N, dtype=torch.long)
+    keep[0, N - 3 :] = 0
+
+    def call(m):
+        return m(_ids(), attention_mask=keep, use_cache=False).logits
+
+    expected = _run_hf(model, call)
+    torch._dynamo.reset()
+    backend = ring_rewrite.backend()
+    got = _run_hf(model, call, torch.compile(model, backend=backend))
+    assert len(backend.records) == 2
+    records = backend.records
+    assert all(r.rewritten and r.plan.recentred and r.passes == ("hand_written", "rewrite_sdpa") for r in records)
+    assert _hf_errors(got, expected, "") < BOUND
+
+
 def test_transformers_output_attentions_is_left_alone():
     model, _, _ = _hf("llama", "eager")
     recorder = Capture()
