@@ -61,6 +61,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from ring_rewrite import kernels
+from ring_rewrite.decode import sharded_keys  # noqa: F401  (registers the op read below)
 
 from ._fx import location
 from .masks import MaskStructure, decode_positions, mask_structure
@@ -81,6 +82,7 @@ __all__ = [
     "is_decode_step",
     "local_positions",
     "sdpa_unsupported_reason",
+    "sharded_cache_keys",
 ]
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
@@ -311,6 +313,23 @@ def _appended(node: fx.Node, m: int) -> bool:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     last = pieces[-1].meta.get("example_value") if isinstance(pieces[-1], fx.Node) else None
     return dim in (2, -2) and isinstance(last, torch.Tensor) and last.dim() == 4 and last.shape[2] == m
+
+
+def sharded_cache_keys(site: SdpaSite) -> fx.Node | None:
+    """The ``sharded_keys`` node the site's keys come from, up to views (GQA's repeat included),
+    or None: a decode step over a rank's part of a sharded cache (Note [A sharded KV cache] in
+    ``ring_rewrite/decode.py``)."""
+    node = site.key
+    while isinstance(node, fx.Node) and node.op in ("call_method", "call_function"):
+        if node.target in _SHARDED_KEYS:
+            return node
+        if not (node.target in _VIEWS or node.target in (operator.getitem, torch.reshape)):
+            return None
+        node = node.args[0]
+    return None
+
+
+_SHARDED_KEYS = (torch.ops.ring_rewrite.sharded_keys, torch.ops.ring_rewrite.sharded_keys.default)
 
 
 def display_shapes(site: SdpaSite) -> dict[str, tuple | None]:

@@ -59,7 +59,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.decode import decode_attention
+from ring_rewrite.decode import decode_attention, sharded_decode
 from ring_rewrite.layout import assemble
 from ring_rewrite.layout import positions as shard_positions
 from ring_rewrite.p2p import (
@@ -70,12 +70,12 @@ from ring_rewrite.roles import role
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
 from .find_sdpa import (
     SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
-    is_caller_input, is_decode_step, local_positions, sdpa_unsupported_reason, static_strides,
+    is_caller_input, is_decode_step, local_positions, sdpa_unsupported_reason, sharded_cache_keys, static_strides,
 )  # fmt: skip
 from .masks import (
     MaskStructure, decode_positions, key_mask, key_values, runs, sharded_documents_reason, sharded_keys_reason,
 )
-from .records import TOUCHED, SiteRecord, leave_alone, records, sharded
+from .records import TOUCHED, SiteRecord, UnsupportedSiteError, leave_alone, records, sharded
 
 __all__ = ["NAME", "rewrite_sdpa"]
 
@@ -102,6 +102,17 @@ def rewrite_sdpa(
     for node in [site.node for site in find_sdpa_sites(gm)]:
         site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
         index = len(sites)
+        cached = sharded_cache_keys(site)
+        if cached is not None:
+            _rewrite_sharded_decode(gm, site, cached, index, config, group, world)
+            counters["ring_rewrite"]["rewritten"] += 1
+            passes = (*node.meta.get(TOUCHED, ()), NAME)
+            note = f"decode step over a sharded cache: the last {site.meta(site.query).shape[2]} rows, merged across ranks"
+            sites.append(
+                SiteRecord(index, site.location, "sdpa", display_shapes(site), note, passes=passes, decode=True)
+            )
+            rewritten += 1
+            continue
         if is_decode_step(site):
             reason = decode_reason(site)
             if reason is None and not config.is_exact:
@@ -208,11 +219,58 @@ _WHOLE = 1 << 62  # the exact config's one segment: longer than any prefix
 
 def _decode(q, k, v, mask=None, *data, branches, scale, bool_mask=False, positions=None):
     bias = torch.where(mask, 0.0, float("-inf")) if bool_mask else mask
-    first_query, first_key = (None, 0) if positions is None else positions.evaluate(*data)
+    query_positions = key_positions = None
+    if positions is not None:
+        first_query, first_key = positions.evaluate(*data)
+        query_positions = torch.arange(q.shape[2], device=q.device) + first_query
+        key_positions = torch.arange(k.shape[2], device=q.device) + first_key
     return decode_attention(
-        q, k, v, bias, branches=branches, scale=scale, is_causal=False, first_query=first_query,
-        first_key=first_key,
+        q, k, v, bias, branches=branches, scale=scale, is_causal=False, query_positions=query_positions,
+        key_positions=key_positions,
     )  # fmt: skip
+
+
+def _rewrite_sharded_decode(gm, site: SdpaSite, cached: fx.Node, index: int, config, group, world) -> None:
+    """A decode step whose keys are this rank's part of a sharded cache becomes its rows over
+    those keys at their positions, merged across the ranks by one all-gather (Note [A sharded KV
+    cache] in ring_rewrite/decode.py); the ``sharded_keys`` marker is dropped. Raises where the
+    step cannot be rewritten: left alone it would attend to one rank's keys."""
+    reason = decode_reason(site)
+    if reason is None and config.sharding != "sharded":
+        reason = f"sharding={config.sharding!r} (a sharded cache needs sharding='sharded')"
+    if reason is None and any(site.meta(n).requires_grad for n in (site.query, site.key, site.value)):
+        reason = "it would need gradients (a sharded decode step is inference: run it under torch.no_grad)"
+    if reason is None and site.attn_mask is not None:
+        reason = (
+            "an attn_mask (a mask indexes the keys as one sequence, not a rank's part of them: "
+            "prompts of one length, without padding)"
+        )
+    if reason is not None:
+        raise UnsupportedSiteError(
+            f"ring_rewrite: a decode step over a sharded KV cache at {site.location} cannot be rewritten: {reason}"
+        )
+    graph, node = gm.graph, site.node
+    keys, key_positions, query_positions = cached.args
+    cached.replace_all_uses_with(keys)
+    graph.erase_node(cached)
+    site = bind_sdpa(node)  # its key was the marker
+    d = site.meta(site.query).shape[-1]
+    decode = functools.partial(
+        sharded_decode,
+        branches=config.branches(_WHOLE),
+        scale=d**-0.5 if site.scale is None else float(site.scale),
+        world=world,
+        group_name=group.group_name if world > 1 else "",
+    )
+    inputs = [site.query, site.key, site.value, key_positions, query_positions]
+    with graph.inserting_before(node):
+        tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
+        with role("decode"):
+            out = emit(tracer, decode, *inputs)
+    stamp(out, index, node.meta.get("stack_trace"), role="site", decode=True)
+    out.meta["example_value"] = node.meta.get("example_value")
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def _agreement_key(record: SiteRecord) -> dict:

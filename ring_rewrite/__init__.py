@@ -12,6 +12,8 @@ rewritten site computes is docs/semantics.md; every public name is listed in doc
 * Configuring: ``RingDilatedConfig``.
 * Sharding inputs (``sharding="sharded"``): ``shard``, ``unshard``, ``shard_batch``,
   ``positions``.
+* Generating from a sharded prompt: ``prefill`` and ``ShardedCache`` (a KV cache that stays
+  sharded; they need ``transformers``, imported on first use).
 * Planning and checking: ``explain`` and ``Report`` (what the rewrite did), ``plan`` and
   ``ScalePlan`` (what a config needs per rank at any scale), ``reference_attention`` (the
   float64 reference).
@@ -41,11 +43,13 @@ __all__ = [
     "RingDilatedConfig",
     "RingOutOfStep",
     "ScalePlan",
+    "ShardedCache",
     "TransferTimeout",
     "backend",
     "explain",
     "plan",
     "positions",
+    "prefill",
     "reference_attention",
     "ring_dilated",
     "ring_dilated_backend",
@@ -53,5 +57,17 @@ __all__ = [
     "shard_batch",
     "unshard",
 ]
+
+
+
+def __getattr__(name: str):
+    # NOTE: ring_rewrite/cache.py subclasses transformers' Cache: imported when first asked for,
+    # so that the package imports without transformers.
+    if name in ("ShardedCache", "prefill"):
+        from . import cache
+
+        return getattr(cache, name)
+    raise AttributeError(f"module 'ring_rewrite' has no attribute {name!r}")
+
 
 register()

@@ -9,6 +9,10 @@ recomputing the whole prefix at every step. Per branch ``(w, r)`` and query head
 form, for ``m`` rows only. That is O(m N) per head, small for the ``m`` of a decode step, and
 written with the cache length as a size, so a symbolic length (dynamo's automatic dynamic shapes,
 from the second decode step on) compiles once for every later length.
+
+A sharded cache (Note [A sharded KV cache]) holds each rank's part of the keys at positions it
+names; the same rule, read at those positions, gives each rank its rows' partial result and
+log-sum-exp, and one all-gather of the partials merges them exactly (``sharded_decode``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .merge import merge_partials
 from .ops import stat_dtype
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "sharded_decode", "sharded_keys"]
 
 # Bias values at or below it mask (half float32's lowest: -inf, transformers' finfo.min fills).
 # A constant: the step is traced with proxies, whose dtype is no value.
@@ -35,18 +40,22 @@ def decode_attention(
     branches: Sequence[tuple[int, int]],
     scale: float,
     is_causal: bool,
-    first_query=None,
-    first_key=0,
-) -> torch.Tensor:
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    with_lse: bool = False,
+):
     """Rows ``N - m .. N - 1`` of dilated attention: ``q (B, Hq, m, D)``, ``k (B, Hkv, N, D)``,
     ``v (B, Hkv, N, Dv)``, ``bias`` an additive key bias broadcast to ``(B, Hq, 1, N)``;
     ``branches`` as ``RingDilatedConfig.branches`` (a segment ``w >= N`` is the whole prefix).
-    A cache that holds the last keys only (a sliding window) gives its positions: the queries at
-    ``first_query ..`` (default ``N - m``), the keys at ``first_key ..``."""
+    Where the keys are not the prefix ``0 .. N - 1`` (a sliding-window cache holds the last keys
+    only, a sharded cache a rank's part) ``query_positions (m,)`` and ``key_positions (N,)`` give
+    the tokens' positions. With ``with_lse`` it returns ``(out, lse)``, the rows' log-sum-exp
+    ``(B, Hq, m)`` in float32 (``-inf`` where a row reaches no key) and ``out`` in float32, the
+    partial result ``merge_partials`` merges."""
     hq, m, hkv, n = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     acc = stat_dtype(q.dtype)
-    p = torch.arange(m, device=q.device) + (n - m if first_query is None else first_query)
-    t = torch.arange(n, device=q.device) + first_key
+    p = torch.arange(m, device=q.device) + (n - m) if query_positions is None else query_positions
+    t = torch.arange(n, device=q.device) if key_positions is None else key_positions
     heads = torch.arange(hq, device=q.device).view(-1, 1, 1)
     counts = 0
     for w, r in branches:
@@ -74,4 +83,68 @@ def decode_attention(
     total = probs.sum(-1, keepdim=True)
     out = (probs.unflatten(1, (hkv, hq // hkv)) @ v.to(acc).unsqueeze(2)).flatten(1, 2)
     out = out / torch.where(total > 0, total, 1.0)
+    if with_lse:
+        return out, (top + torch.log(total)).squeeze(-1)
     return out.to(q.dtype)
+
+
+# Note [A sharded KV cache]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# After a prefill in sharded mode each rank holds the keys and values of its own shard of the
+# prompt (``ring_rewrite.cache.ShardedCache``): N / P tokens, at the positions the layout gives
+# them. A decode step appends its m new tokens on one rank only (the cache's owner) and every
+# rank attends its own keys: the step's queries are the same on every rank (every rank feeds the
+# same tokens), so each rank computes, for the rows of the function, the partial result over its
+# keys and its log-sum-exp (``decode_attention`` at the keys' positions), and one all-gather of
+# ``(out, lse)``, m rows per head, merges them (``merge_partials``): exact, as a ring step's
+# merge is. Memory per rank stays O(N / P) and a step moves P * B * H * m * (Dv + 1) floats.
+#
+# The positions reach the graph through ``sharded_keys(keys, key_positions, query_positions)``,
+# which the cache wraps around the keys it returns: the rewrite reads the positions from its
+# arguments and drops it (``passes/rewrite_sdpa.py``). Anywhere else it raises: keys of one rank
+# attended as if they were all would be a silently wrong answer.
+
+
+@torch.library.custom_op("ring_rewrite::sharded_keys", mutates_args=())
+def sharded_keys(keys: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """A rank's part of a sharded KV cache, ``keys (B, Hkv, N_r, D)`` at ``key_positions (N_r,)``,
+    for queries at ``query_positions (m,)``: a marker only the backend's rewrite may read (Note
+    [A sharded KV cache])."""
+    raise RuntimeError(
+        "ring_rewrite: keys of a ShardedCache reached attention that the ring_dilated backend did "
+        "not rewrite: a sharded cache holds this rank's part of the keys only, so a model that "
+        "decodes from it must be compiled with backend='ring_dilated' and sharding='sharded'"
+    )
+
+
+@sharded_keys.register_fake
+def _(keys, key_positions, query_positions):
+    return torch.empty_like(keys)
+
+
+def sharded_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    *,
+    branches: Sequence[tuple[int, int]],
+    scale: float,
+    world: int,
+    group_name: str,
+) -> torch.Tensor:
+    """A decode step over a sharded cache (Note [A sharded KV cache]): this rank's partial rows
+    and their log-sum-exp, one all-gather of both over the ``world`` ranks of ``group_name``, the
+    exact merge. ``q`` is the same on every rank; ``k, v`` and ``key_positions`` are this rank's."""
+    out, lse = decode_attention(
+        q, k, v, None, branches=branches, scale=scale, is_causal=False,
+        query_positions=query_positions, key_positions=key_positions, with_lse=True,
+    )  # fmt: skip
+    if world == 1:
+        return out.to(q.dtype)
+    packed = torch.cat([out, lse.unsqueeze(-1)], -1)
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(packed, world, group_name)
+    parts = torch.ops._c10d_functional.wait_tensor(gathered).unflatten(0, (world, -1))
+    merged, _ = merge_partials([parts[i, ..., :-1] for i in range(world)], [parts[i, ..., -1] for i in range(world)])
+    return merged.to(q.dtype)
