@@ -103,36 +103,13 @@ def rewrite_sdpa(
         site = bind_sdpa(node)  # its inputs may be sites rewritten a moment ago
         index = len(sites)
         cached = sharded_cache_keys(site)
-        if cached is not None:
-            _rewrite_sharded_decode(gm, site, cached, index, config, group, world)
-            counters["ring_rewrite"]["rewritten"] += 1
-            passes = (*node.meta.get(TOUCHED, ()), NAME)
-            note = f"decode step over a sharded cache: the last {site.meta(site.query).shape[2]} rows, merged across ranks"
-            sites.append(
-                SiteRecord(index, site.location, "sdpa", display_shapes(site), note, passes=passes, decode=True)
-            )
-            rewritten += 1
-            continue
-        if is_decode_step(site):
-            reason = decode_reason(site)
-            if reason is None and not config.is_exact:
-                reason = dilated_decode_reason(site)
-            if reason is None and sharded(config):
-                reason = "a decode step in sharded mode (decode steps run in replicated mode or on one rank)"
-            if reason is not None:
-                leave_alone(
-                    gm, config, what="SDPA", fate="be rewritten", location=site.location,
-                    kind="sdpa", shapes=display_shapes(site), reason=reason,
-                )  # fmt: skip
-                continue
-            _rewrite_decode(gm, site, index, config)
-            counters["ring_rewrite"]["rewritten"] += 1
-            passes = (*node.meta.get(TOUCHED, ()), NAME)
-            note = f"decode step: the last {site.meta(site.query).shape[2]} rows, on every rank"
-            sites.append(
-                SiteRecord(index, site.location, "sdpa", display_shapes(site), note, passes=passes, decode=True)
-            )
-            rewritten += 1
+        if cached is not None or is_decode_step(site):
+            shapes, passes = display_shapes(site), (*node.meta.get(TOUCHED, ()), NAME)
+            note = _decode_step(gm, site, cached, index, config, group, world)
+            if note is not None:
+                counters["ring_rewrite"]["rewritten"] += 1
+                sites.append(SiteRecord(index, site.location, "sdpa", shapes, note, passes=passes, decode=True))
+                rewritten += 1
             continue
         reason = sdpa_unsupported_reason(site)
         plan = note = structure = None
@@ -186,10 +163,35 @@ def _qualified_name(target) -> str:
         return getattr(target, "__qualname__", type(target).__qualname__)
 
 
+def _decode_step(gm, site: SdpaSite, cached: fx.Node | None, index: int, config, group, world) -> str | None:
+    """Rewrite a decode step, over a sharded cache (``cached``, its ``sharded_keys`` marker) or
+    a whole one; returns its record's note, or None where it is left alone."""
+    m = site.meta(site.query).shape[2]
+    if cached is not None:
+        _rewrite_sharded_decode(gm, site, cached, index, config, group, world)
+        return f"decode step over a sharded cache: the last {m} rows, merged across ranks"
+    reason = decode_reason(site)
+    if reason is None and not config.is_exact:
+        reason = dilated_decode_reason(site)
+    if reason is None and sharded(config):
+        reason = (
+            "a decode step over a whole KV cache in sharded mode (ring_rewrite.prefill makes a "
+            "cache that stays sharded; a whole one runs in replicated mode or on one rank)"
+        )
+    if reason is not None:
+        leave_alone(
+            gm, config, what="SDPA", fate="be rewritten", location=site.location,
+            kind="sdpa", shapes=display_shapes(site), reason=reason,
+        )  # fmt: skip
+        return None
+    _rewrite_decode(gm, site, index, config)
+    return f"decode step: the last {m} rows, on every rank"
+
+
 def _rewrite_decode(gm: fx.GraphModule, site: SdpaSite, index: int, config: RingDilatedConfig) -> None:
     """A decode step becomes its rows of the site's function (``ring_rewrite/decode.py``), in
     plain torch ops on every rank (role "decode"); the key length stays as dynamo has it."""
-    graph, node = gm.graph, site.node
+    node = site.node
     d = site.meta(site.query).shape[-1]
     decode = functools.partial(
         _decode,
@@ -204,6 +206,12 @@ def _rewrite_decode(gm: fx.GraphModule, site: SdpaSite, index: int, config: Ring
         if positions is not None:  # where the mask places them (a sliding-window cache)
             decode.keywords["positions"] = positions
             inputs += positions.data
+    _replace_step(gm, node, index, decode, inputs)
+
+
+def _replace_step(gm: fx.GraphModule, node: fx.Node, index: int, decode, inputs: list) -> None:
+    """``node`` (a decode step's SDPA) replaced by ``decode(*inputs)`` traced in its place."""
+    graph = gm.graph
     with graph.inserting_before(node):
         tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
         with role("decode"):
@@ -263,14 +271,7 @@ def _rewrite_sharded_decode(gm, site: SdpaSite, cached: fx.Node, index: int, con
         group_name=group.group_name if world > 1 else "",
     )
     inputs = [site.query, site.key, site.value, key_positions, query_positions]
-    with graph.inserting_before(node):
-        tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
-        with role("decode"):
-            out = emit(tracer, decode, *inputs)
-    stamp(out, index, node.meta.get("stack_trace"), role="site", decode=True)
-    out.meta["example_value"] = node.meta.get("example_value")
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
+    _replace_step(gm, node, index, decode, inputs)
 
 
 def _agreement_key(record: SiteRecord) -> dict:

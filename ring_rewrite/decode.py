@@ -92,17 +92,22 @@ def decode_attention(
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # After a prefill in sharded mode each rank holds the keys and values of its own shard of the
 # prompt (``ring_rewrite.cache.ShardedCache``): N / P tokens, at the positions the layout gives
-# them. A decode step appends its m new tokens on one rank only (the cache's owner) and every
-# rank attends its own keys: the step's queries are the same on every rank (every rank feeds the
-# same tokens), so each rank computes, for the rows of the function, the partial result over its
+# them. Every rank runs each decode step with the same new tokens, so the step's queries are the
+# same everywhere; each rank computes, for the rows of the function, the partial result over its
 # keys and its log-sum-exp (``decode_attention`` at the keys' positions), and one all-gather of
-# ``(out, lse)``, m rows per head, merges them (``merge_partials``): exact, as a ring step's
-# merge is. Memory per rank stays O(N / P) and a step moves P * B * H * m * (Dv + 1) floats.
+# ``(out, lse)``, m rows per head, merges them (``merge_partials``): exact, as a ring step's merge
+# is. Memory per rank stays O(N / P) and a step moves P * B * H * m * (Dv + 1) floats to a rank.
+#
+# New tokens are appended on every rank but attended on rank 0 only: the others, and the
+# prefill's padding, hold position -1, which no segment contains (-1 // w = -1). The cost is a
+# copy of the generated tokens per rank; in exchange every rank's step has the same shapes and
+# so compiles at the same steps. Ranks whose shapes differed would compile at different steps,
+# and one rank's compile-time agreement exchange would meet another's all-gather.
 #
 # The positions reach the graph through ``sharded_keys(keys, key_positions, query_positions)``,
 # which the cache wraps around the keys it returns: the rewrite reads the positions from its
-# arguments and drops it (``passes/rewrite_sdpa.py``). Anywhere else it raises: keys of one rank
-# attended as if they were all would be a silently wrong answer.
+# arguments and drops it (``passes/rewrite_sdpa.py``). Anywhere else it raises: one rank's keys
+# attended as if they were all of them would be a silently wrong answer.
 
 
 @torch.library.custom_op("ring_rewrite::sharded_keys", mutates_args=())

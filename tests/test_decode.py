@@ -141,7 +141,7 @@ def test_decode_step_in_sharded_mode_raises():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         backend = ring_rewrite.backend(compiler="eager", sharding="sharded")
-        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a decode step in sharded mode"):
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a decode step over a whole KV cache in sharded mode"):
             torch.compile(model, backend=backend)(*_step(model, 9))
     finally:
         dist.destroy_process_group()
