@@ -250,8 +250,8 @@ def _rewrite_sharded_decode(gm, site: SdpaSite, cached: fx.Node, index: int, con
         reason = "it would need gradients (a sharded decode step is inference: run it under torch.no_grad)"
     if reason is None and site.attn_mask is not None:
         reason = (
-            "an attn_mask (a mask indexes the keys as one sequence, not a rank's part of them: "
-            "prompts of one length, without padding)"
+            "an attn_mask (padding or a sliding window: a mask indexes the keys as one sequence, "
+            "not a rank's part of them; prompts of one length without padding, full attention)"
         )
     if reason is not None:
         raise UnsupportedSiteError(
