@@ -243,9 +243,15 @@ def _rewrite_sharded_decode(gm, site: SdpaSite, cached: fx.Node, index: int, con
     those keys at their positions, merged across the ranks by one all-gather (Note [A sharded KV
     cache] in ring_rewrite/decode.py); the ``sharded_keys`` marker is dropped. Raises where the
     step cannot be rewritten: left alone it would attend to one rank's keys."""
+    layout, ranks = cached.args[3:5]
     reason = decode_reason(site)
     if reason is None and config.sharding != "sharded":
         reason = f"sharding={config.sharding!r} (a sharded cache needs sharding='sharded')"
+    if reason is None and (layout, ranks) != (config.layout, world):
+        reason = (
+            f"the cache was prefilled with layout={layout!r} over {ranks} ranks, the backend runs "
+            f"layout={config.layout!r} over {world}"
+        )
     if reason is None and any(site.meta(n).requires_grad for n in (site.query, site.key, site.value)):
         reason = "it would need gradients (a sharded decode step is inference: run it under torch.no_grad)"
     if reason is None and site.attn_mask is not None:
@@ -258,7 +264,7 @@ def _rewrite_sharded_decode(gm, site: SdpaSite, cached: fx.Node, index: int, con
             f"ring_rewrite: a decode step over a sharded KV cache at {site.location} cannot be rewritten: {reason}"
         )
     graph, node = gm.graph, site.node
-    keys, key_positions, query_positions = cached.args
+    keys, key_positions, query_positions = cached.args[:3]
     cached.replace_all_uses_with(keys)
     graph.erase_node(cached)
     site = bind_sdpa(node)  # its key was the marker

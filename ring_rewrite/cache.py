@@ -36,6 +36,7 @@ class ShardedLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        self.layout, self.world = "contiguous", 1  # the cache's, set by ``place``
         self.positions: torch.Tensor | None = None
         self.length: torch.Tensor | None = None
         self.attends: torch.Tensor | None = None
@@ -54,7 +55,7 @@ class ShardedLayer(DynamicLayer):
         self.values = torch.cat([self.values, value_states], -2)
         self.positions = torch.cat([self.positions, torch.where(self.attends, new, -1)])
         self.length = self.length + key_states.shape[-2]
-        return sharded_keys(self.keys, self.positions, new), self.values
+        return sharded_keys(self.keys, self.positions, new, self.layout, self.world), self.values
 
     def get_seq_length(self) -> int:
         """The tokens of the sequence so far, over every rank: where ``generate`` goes on from."""
@@ -70,8 +71,10 @@ class ShardedLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("ring_rewrite: a ShardedCache cannot be cropped")
 
-    def place(self, at: torch.Tensor, length: int, attends: bool) -> None:
-        """Name the prefill's tokens' positions ``at`` (those ``>= length`` are padding)."""
+    def place(self, at: torch.Tensor, length: int, attends: bool, layout: str, world: int) -> None:
+        """Name the prefill's tokens' positions ``at`` (those ``>= length`` are padding), cut by
+        ``layout`` over ``world`` ranks."""
+        self.layout, self.world = layout, world
         self.positions = torch.where(at < length, at, -1)
         self.length = torch.tensor(length, device=at.device)
         self.attends = torch.tensor(attends, device=at.device)
@@ -98,7 +101,7 @@ class ShardedCache(Cache):
         """After the prefill of ``padded`` tokens of which the first ``length`` are the prompt."""
         at = positions(padded, world=self.world, rank=self.rank, layout=self.layout, device=self.layers[0].keys.device)
         for layer in self.layers:
-            layer.place(at, length, attends=self.rank == 0)
+            layer.place(at, length, attends=self.rank == 0, layout=self.layout, world=self.world)
 
 
 def prefill(

@@ -104,17 +104,20 @@ def decode_attention(
 # so compiles at the same steps. Ranks whose shapes differed would compile at different steps,
 # and one rank's compile-time agreement exchange would meet another's all-gather.
 #
-# The positions reach the graph through ``sharded_keys(keys, key_positions, query_positions)``,
+# The positions reach the graph through ``sharded_keys(keys, key_positions, query_positions, ...)``,
 # which the cache wraps around the keys it returns: the rewrite reads the positions from its
 # arguments and drops it (``passes/rewrite_sdpa.py``). Anywhere else it raises: one rank's keys
 # attended as if they were all of them would be a silently wrong answer.
 
 
 @torch.library.custom_op("ring_rewrite::sharded_keys", mutates_args=())
-def sharded_keys(keys: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+def sharded_keys(
+    keys: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor, layout: str, world: int
+) -> torch.Tensor:
     """A rank's part of a sharded KV cache, ``keys (B, Hkv, N_r, D)`` at ``key_positions (N_r,)``,
-    for queries at ``query_positions (m,)``: a marker only the backend's rewrite may read (Note
-    [A sharded KV cache])."""
+    for queries at ``query_positions (m,)``, cut by ``layout`` over ``world`` ranks: a marker
+    only the backend's rewrite may read (Note [A sharded KV cache]), which checks that its own
+    layout and ranks are the cache's."""
     raise RuntimeError(
         "ring_rewrite: keys of a ShardedCache reached attention that the ring_dilated backend did "
         "not rewrite: a sharded cache holds this rank's part of the keys only, so a model that "
@@ -123,7 +126,7 @@ def sharded_keys(keys: torch.Tensor, key_positions: torch.Tensor, query_position
 
 
 @sharded_keys.register_fake
-def _(keys, key_positions, query_positions):
+def _(keys, key_positions, query_positions, layout, world):
     return torch.empty_like(keys)
 
 

@@ -134,7 +134,7 @@ class ShardedStep(nn.Module):
     """A decode step whose keys are this rank's part of a sharded cache."""
 
     def forward(self, q, k, v, key_positions, query_positions):
-        keys = sharded_keys(k, key_positions, query_positions)
+        keys = sharded_keys(k, key_positions, query_positions, "contiguous", 2)
         return F.scaled_dot_product_attention(q, keys, v, enable_gqa=True)
 
 
@@ -224,13 +224,20 @@ def test_replicated_mode_with_a_sharded_cache_raises(fake_ranks):
 def test_sharded_step_with_a_mask_raises(fake_ranks):
     class Masked(ShardedStep):
         def forward(self, q, k, v, key_positions, query_positions, mask):
-            keys = sharded_keys(k, key_positions, query_positions)
+            keys = sharded_keys(k, key_positions, query_positions, "contiguous", 2)
             return F.scaled_dot_product_attention(q, keys, v, attn_mask=mask, enable_gqa=True)
 
     mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
     mask[..., 0] = False
     message = _compile_error(Masked(), *_step_inputs(), mask, sharding="sharded")
     assert "attn_mask" in message, message
+
+
+def test_a_cache_of_another_layout_raises(fake_ranks):
+    """A cache prefilled with one layout, decoded by a backend of another: its positions would be
+    read against the wrong shards, so the first step raises before any token."""
+    message = _compile_error(ShardedStep(), *_step_inputs(), sharding="sharded", layout="zigzag")
+    assert "layout='contiguous' over 2 ranks" in message and "layout='zigzag'" in message, message
 
 
 def test_sharded_step_with_gradients_raises(fake_ranks):
