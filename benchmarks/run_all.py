@@ -33,6 +33,7 @@ BENCHMARKS = {
     "scale": ("scale.py", [], "scale.json"),
     "overlap": ("overlap.py", [], "overlap.json"),
     "alibi_accuracy": ("alibi_accuracy.py", [], "alibi_accuracy.json"),
+    "decode": ("decode.py", [], "decode.json"),
 }
 
 

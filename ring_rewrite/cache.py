@@ -118,7 +118,10 @@ def prefill(
     Runs ``model`` (compiled with the ``ring_dilated`` backend, ``sharding="sharded"``) once on
     this rank's part of the prompt less its last token (cut by ``shard_batch``), under
     ``torch.no_grad``, and returns the ``ShardedCache`` it filled: each rank keeps the keys and
-    values of its own part, padding dropped. ``model.generate(input_ids, cache=cache, ...)``
+    values of its own part. The prefill's padding (up to a power of two with ``buckets``) stays
+    in the cache at position -1, never attended, so that every rank's shapes match: a prompt just
+    over a power of two nearly doubles the cache; ``buckets=False`` pads only to a multiple of
+    the shards, at one compiled prefill per prompt length. ``model.generate(input_ids, cache=cache, ...)``
     then feeds the last prompt token and every new one on every rank; each decode step attends
     each rank's part of the cache and merges the ranks' results exactly (one all-gather per
     layer and step), so the tokens equal those of the whole model on one process.

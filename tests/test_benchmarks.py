@@ -72,3 +72,30 @@ def test_alibi_baseline_is_the_same_function():
     q, k, v = (torch.randn(1, alibi_accuracy.HEADS, n, 8, dtype=torch.float64) for _ in range(3))
     ref = reference_attention(q, k, v, is_causal=True, key_bias=alibi_accuracy.key_bias(n).double(), query_chunk=512)
     assert rel_err(alibi_accuracy._causal_key_bias(q, k, v), ref) < 1e-12
+
+
+def test_decode_setup_and_byte_counts():
+    """``decode.py``'s two setups, at P = 1 on a small model: the sharded one (``prefill`` and
+    ``generate`` from its ``ShardedCache``) and the whole-cache one generate the same tokens,
+    and its byte counts are the caches' (a ``DynamicCache`` of the prompt and every fed token;
+    a ``ShardedCache`` adds an int64 position per key)."""
+    pytest.importorskip("transformers")
+    import decode
+
+    import ring_rewrite
+
+    fields = {"hidden_size": 32, "intermediate_size": 64, "head_dim": 8, "vocab_size": 64}
+    segments, rates, n, k = [8, 16], [1, 2], 40, 4
+    ids = decode.prompt(n, fields["vocab_size"])
+    whole = decode.build_model(fields)
+    decode.compile_model(whole, segments=segments, rates=rates, sharded=False, compiler="aot_eager")
+    want = decode.generate(whole, ids, k)
+    model = decode.build_model(fields)
+    decode.compile_model(model, segments=segments, rates=rates, sharded=True, compiler="aot_eager")
+    cache = ring_rewrite.prefill(model, ids, layout=decode.LAYOUT, multiple_of=max(rates))
+    got = decode.generate(model, ids, k, cache=cache)
+    assert got["tokens"] == want["tokens"]
+    assert decode.cache_bytes(want["cache"]) == decode.whole_cache_bytes(n + k - 1, fields)
+    held = cache.layers[0].keys.shape[2]
+    assert decode.cache_bytes(cache) == decode.whole_cache_bytes(held, fields) + 2 * held * 8
+    assert decode.gathered_bytes(4, fields) == 2 * 4 * 4 * (8 + 1) * 4
