@@ -185,7 +185,9 @@ def generate(model, ids: torch.Tensor, tokens: int, cache=None) -> dict:
     with torch.no_grad():
         t0 = time.perf_counter()
         out = model.generate(
-            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, return_dict_in_generate=True,
+            # NOTE: an explicit mask of ones: without one, generate infers padding from any
+            # pad_token_id among the ids (a generated token too), which a sharded step refuses.
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, return_dict_in_generate=True,
             output_logits=True, stopping_criteria=StoppingCriteriaList([stamps]), **kwargs,
         )  # fmt: skip
     return {

@@ -257,7 +257,9 @@ def _rewrite_sharded_decode(gm, site: SdpaSite, cached: fx.Node, index: int, con
     if reason is None and site.attn_mask is not None:
         reason = (
             "an attn_mask (padding or a sliding window: a mask indexes the keys as one sequence, "
-            "not a rank's part of them; prompts of one length without padding, full attention)"
+            "not a rank's part of them; prompts of one length without padding, full attention; "
+            "without an attention_mask, generate infers padding from pad_token_id among the ids: "
+            "pass attention_mask=torch.ones_like(input_ids))"
         )
     if reason is not None:
         raise UnsupportedSiteError(

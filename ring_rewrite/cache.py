@@ -7,7 +7,7 @@ the ``ShardedCache`` it filled; ``model.generate`` then continues from it, every
 same tokens::
 
     cache = ring_rewrite.prefill(model, input_ids, group=group, layout="zigzag")
-    out = model.generate(input_ids, cache=cache, max_new_tokens=64)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, max_new_tokens=64)
 
 Needs ``transformers`` (imported here only).
 """
@@ -122,7 +122,9 @@ def prefill(
     in the cache at position -1, never attended, so that every rank's shapes match: a prompt just
     over a power of two nearly doubles the cache; ``buckets=False`` pads only to a multiple of
     the shards, at one compiled prefill per prompt length. ``model.generate(input_ids, cache=cache, ...)``
-    then feeds the last prompt token and every new one on every rank; each decode step attends
+    (with ``attention_mask`` a tensor of ones: without one, ``generate`` reads any
+    ``pad_token_id`` among the ids as padding, and a decode step over a sharded cache takes no
+    mask) then feeds the last prompt token and every new one on every rank; each decode step attends
     each rank's part of the cache and merges the ranks' results exactly (one all-gather per
     layer and step), so the tokens equal those of the whole model on one process.
 
@@ -145,7 +147,8 @@ def prefill(
     Example::
 
         cache = ring_rewrite.prefill(model, input_ids, layout="zigzag")
-        out = model.generate(input_ids, cache=cache, max_new_tokens=64, do_sample=False)
+        ones = torch.ones_like(input_ids)  # else generate reads any pad_token_id as padding
+        out = model.generate(input_ids, attention_mask=ones, cache=cache, max_new_tokens=64, do_sample=False)
 
     .. warning::
         Tested on CPU over gloo only; NCCL process groups have never run.
