@@ -60,6 +60,7 @@ Writes ``results/decode.json``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -338,7 +339,7 @@ def summarise(m: dict) -> dict:
     whole, ranks = m["whole"], m["ranks"]
     expected = gathered_bytes(WORLD)
     seen = [
-        sum(WORLD * _numel(g["input_shape"]) * 4 for g in r["gathers"]) for r in ranks
+        sum(WORLD * math.prod(g["input_shape"]) * 4 for g in r["gathers"]) for r in ranks
     ]  # received: P times each rank's packed (out, lse), float32
     per_rank = max(r["step_median_s"] for r in ranks)
     return {
@@ -361,13 +362,6 @@ def summarise(m: dict) -> dict:
         "profiler B/step/rank": max(seen) if seen and min(seen) == max(seen) else seen,
         "logits diff": max(max(r["check_logits_diff"], r["logits_diff"]) for r in ranks),
     }
-
-
-def _numel(shape) -> int:
-    total = 1
-    for s in shape:
-        total *= s
-    return total
 
 
 def main(argv: list[str] | None = None) -> int:
