@@ -153,10 +153,11 @@ Note [Bands]
 A mask read from the graph (``passes/masks.py``) may restrict ``t - p`` to a band ``[lo, hi]``
 (a sliding window: ``lo = 1 - W`` with ``is_causal``). Within a branch a query and its keys
 share a segment and a lattice offset, so ``t - p`` of a block's rows is the difference of their
-positions without the offset: ``start of the part + row * r``. Each block is classified from
-those numbers while the site is traced: all its pairs inside the band (the call is as without
-one), none (skipped, as causal attention skips blocks above the diagonal; never the transfer),
-or some: then the call gets ``band`` and the rows' positions, and the block op masks the band
+positions without the offset: ``start of the part + row * r``. The site's program classifies
+each block from those numbers (``program._block``; Note [The site program] in ``program.py``):
+all its pairs inside the band (the call is as without one), none (skipped, as causal attention
+skips blocks above the diagonal; never the transfer), or some: then the call gets ``band`` and
+the rows' positions (``_band_args``), and the block op masks the band
 in chunks of query rows (``ops.BAND_CHUNK`` scores each), so nothing of size (queries x keys)
 is ever held. Memory stays O(N/P); a window shorter than the shards skips most ring blocks.
 
@@ -188,6 +189,8 @@ from .layout import assemble, take_shard
 from .merge import merge_partials
 from .ops import BAND_OPEN, RELATIONS, stat_dtype
 from .p2p import DKV, KV, KV_BACK, Ring, Rotater, global_ranks
+from .program import Block as ProgramBlock
+from .program import Chunk, Dilate, Gather, Merge, Program, Start, Undilate, Wait, build, chunks
 from .roles import role
 from .schedule import Block, BranchPlan, plan_branch, shard_parts
 
@@ -342,6 +345,23 @@ class SitePlan:
         if any(self.needs_bias(b) or not b.layout.in_place for b in local):
             return False
         return cpu_kernel.available()
+
+    def program(self, graph: str, folded: bool = False) -> Program:
+        """What ``site_forward`` (``graph="forward"``) or ``site_backward`` does on this rank,
+        step by step (Note [The site program] in ``program.py``), or ``folded`` for counting;
+        built once per plan."""
+        programs = self.__dict__.setdefault("_programs", {})  # not a field: equal plans stay equal
+        if (graph, folded) not in programs:
+            programs[(graph, folded)] = build(self, graph, folded=folded)
+        return programs[(graph, folded)]
+
+    @property
+    def forward_program(self) -> Program:
+        return self.program("forward")
+
+    @property
+    def backward_program(self) -> Program:
+        return self.program("backward")
 
     def needs_bias(self, branch: BranchPlan) -> bool:
         # Padded keys sit after every real query, so causal attention never sees them.
@@ -510,54 +530,29 @@ def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
     return q[:1, :, :: max(1, plan.n // 16), 0].reshape(-1)
 
 
-def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> list[int]:
-    """Position of the first row of each part a block of ``branch`` reads: this rank's parts
-    (``step`` None) or those of the K/V held at ``step``. Global for a ring; for a local branch
-    within the segment (only differences of positions matter, Note [Bands])."""
-    if branch.is_local:
-        return [0]
-    rank = plan.rank if step is None else branch.ring[(branch.position - step) % len(branch.ring)]
-    parts = shard_parts(plan.layout)
-    size = plan.n_local // parts
-    if parts == 1:
-        return [rank * size]
-    return [rank * size, (2 * plan.world - 1 - rank) * size]
-
-
 def _band_args(
-    plan: SitePlan, branch: BranchPlan, blk: Block, step: int | None, like: torch.Tensor,
-    docs: torch.Tensor | None = None, heads: slice = slice(None),
-):  # fmt: skip
-    """The band arguments of one block call (Note [Bands]): ``{}`` when the band masks none of
-    its pairs, None when it masks all of them (the block is skipped), else ``band``, ``qpos``
-    and ``kpos``, and with documents ``qdoc`` and ``kdoc`` of the block's rows (query heads
-    ``heads``)."""
-    if plan.band is None and not plan.documents:
+    plan: SitePlan, branch: BranchPlan, block: ProgramBlock, like: torch.Tensor, docs: torch.Tensor | None = None,
+    heads: slice = slice(None),
+) -> dict:  # fmt: skip
+    """The mask arguments of one block call (Note [Bands]), as the program decided them
+    (``program._block``): none for a full block; for a partial one ``band``, the rows'
+    positions ``qpos`` and ``kpos`` and, with documents, ``qdoc`` and ``kdoc`` of the block's
+    rows (query heads ``heads``)."""
+    if block.kind == "full":
         return {}
-    lo, hi = plan.band or (None, None)
-    m, r = branch.layout.m, branch.layout.r
-    qs = _starts(plan, branch, None)[blk.q0 : blk.q1]
-    ks = _starts(plan, branch, 0 if step is None else step)[blk.k0 : blk.k1]
-    d_min = min(ks) - max(qs) - (m - 1) * r
-    d_max = max(ks) + (m - 1) * r - min(qs)
-    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi) and not plan.documents:
-        return {}
-    skip = (lo is not None and d_max < lo) or (hi is not None and d_min > hi)
-    if skip and (lo is None or lo <= 0) and (hi is None or hi >= 0):
-        # NOTE: skipped only where the band holds the diagonal: then every part keeps the block
-        # of its own diagonal and has rows to merge.
-        return None
+    m, r = branch.layout.m, block.stride
 
     def positions(starts):
         rows = torch.arange(m, device=like.device) * r
         return torch.cat([rows + s for s in starts]) if len(starts) > 1 else rows + starts[0]
 
-    band = [BAND_OPEN if x is None else x for x in (lo, hi)]
-    args = {"band": band, "qpos": positions(qs), "kpos": positions(ks)}
-    if plan.documents:
-        band.append([name for name, _ in RELATIONS].index(plan.documents))
-        args["qdoc"] = _doc_rows(plan, branch, docs, None, blk.q0, blk.q1, heads)
-        args["kdoc"] = _doc_rows(plan, branch, docs, step, blk.k0, blk.k1, heads)
+    band = [BAND_OPEN if x is None else x for x in block.band]
+    args = {"band": band, "qpos": positions(block.q_starts), "kpos": positions(block.k_starts)}
+    if block.documents:
+        q0, q1, k0, k1 = block.parts
+        band.append([name for name, _ in RELATIONS].index(block.documents))
+        args["qdoc"] = _doc_rows(plan, branch, docs, None, q0, q1, heads)
+        args["kdoc"] = _doc_rows(plan, branch, docs, block.step, k0, k1, heads)
     return args
 
 
@@ -578,88 +573,12 @@ def _doc_rows(plan, branch, docs, step, p0, p1, heads) -> torch.Tensor:
 # ---- forward -------------------------------------------------------------------------------
 
 
-def _chunks(plan: SitePlan, branch: BranchPlan) -> list[tuple[slice, slice]]:
-    """Query-head and kv-head slices of each head chunk of a ring branch (dilated layout: query
-    head ``j`` reads kv head ``j // (hq / kv_heads)``, so contiguous slices pair up)."""
-    g = plan.head_chunks(branch)
-    qc, kc = plan.hq // g, branch.layout.kv_heads // g
-    return [(slice(c * qc, (c + 1) * qc), slice(c * kc, (c + 1) * kc)) for c in range(g)]
-
-
 def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
     """Head chunks ``(B, h, ...)`` side by side. NOTE: concatenated as 3-D: inductor lays out a
     4-D concatenation channels-last when an input is, and a one-head chunk is both."""
     if len(xs) == 1:
         return xs[0]
     return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
-
-
-def _chunk_kv(k_dilated, v_dilated, bias, qh: slice, kh: slice) -> list[torch.Tensor]:
-    """The K/V (and key bias) a head chunk sends round its ring."""
-    return [k_dilated[:, kh], v_dilated[:, kh]] + ([] if bias is None else [bias[:, qh]])
-
-
-def _first_transfer(plan, ring, i, branch, kind, k_dilated, v_dilated, bias):
-    """Start the first head chunk's step-0 transfer of a ring branch (Note [Overlap across
-    branches])."""
-    qh, kh = _chunks(plan, branch)[0]
-    with role("p2p", branch=i, step=0):
-        return ring.start(_chunk_kv(k_dilated, v_dilated, bias, qh, kh), kind, 0, 0)
-
-
-def _ring_forward(plan, ring, i, branch, q_dilated, k_dilated, v_dilated, bias, first, seed, docs):
-    """Out and lse of one ring branch, dilated, one head chunk after another; ``first`` is the
-    first chunk's step-0 transfer, already started."""
-    outs, lses = [], []
-    for c, (qh, kh) in enumerate(_chunks(plan, branch)):
-        out, lse = _ring_forward_chunk(
-            plan, ring, i, c, branch, q_dilated[:, qh], _chunk_kv(k_dilated, v_dilated, bias, qh, kh),
-            first if c == 0 else None, seed, docs, qh,
-        )  # fmt: skip
-        outs.append(out)
-        lses.append(lse)
-    return _cat_heads(outs), _cat_heads(lses)
-
-
-def _ring_forward_chunk(plan, ring, i, c, branch, q_dilated, kv, first, seed, docs, qh):
-    """Out and lse of one head chunk of a ring branch; K/V travel while each step computes, and
-    so does their key bias (a mask), if any (``kv``; ``first``: the step-0 transfer, if started)."""
-    layout = branch.layout
-    merged: dict = {}  # runs of parts [p0, p1) -> their (out, lse) merged so far
-    own_bias = _kv_and_bias(kv)[1]  # this rank's, at step 0
-    for step, blocks in enumerate(branch.steps):
-        moves = step + 1 < len(branch.ring)
-        if moves:
-            # NOTE: the next K/V start moving before this step's compute and arrive after it.
-            with role("p2p", branch=i, step=step):
-                flight = first if step == 0 and first is not None else ring.start(kv, KV, step, c)
-        computed = []
-        step_kv, step_bias = _kv_and_bias(kv)
-        for j, blk in enumerate(blocks):
-            band = _band_args(plan, branch, blk, step, q_dilated, docs, qh)
-            if band is None:
-                continue
-            with role("attention", branch=i, step=step):
-                out, lse = torch.ops.ring_rewrite.block_attention(
-                    _rows(q_dilated, layout, blk.q0, blk.q1),
-                    *_kv_rows(plan, layout, step_kv, blk),
-                    None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
-                    plan.scale,
-                    blk.causal,
-                    *_drop(plan, seed, i, c, step, j),
-                    **band,
-                    **_own_bias(plan, own_bias, layout, blk),
-                )
-            computed += [out, lse]
-            with role("merge", branch=i, step=step):
-                _merge_rows(merged, layout, blk.q0, blk.q1, out, lse)
-        if moves:
-            with role("p2p", branch=i, step=step):
-                kv = ring.wait(flight, computed)
-    runs = [merged[run] for run in sorted(merged)]
-    if len(runs) == 1:
-        return runs[0]
-    return torch.cat([o for o, _ in runs], 2), torch.cat([l for _, l in runs], 2)
 
 
 def _merge_rows(merged: dict, layout, p0: int, p1: int, out, lse) -> None:
@@ -692,85 +611,210 @@ def _parts(layout, p0: int, p1: int, out, lse) -> dict:
     return {(part, part + 1): piece for part, piece in zip(range(p0, p1), pieces)}
 
 
-def _local_in_place_forward(plan: SitePlan, q_local, k_local, v_local) -> tuple[list, list]:
-    """The out and lse of every local branch merged, where each reads its rows in place and
-    merges its results into the running ones (Note [Local branches in place])."""
-    local = [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
-    write = local[0][1].layout.r == 1  # it writes every position (no padding here)
-    shape = (plan.batch, plan.hq, plan.n_local)
-    with role("merge"):
-        if write:
-            out, lse = q_local.new_empty((*shape, plan.dv)), q_local.new_empty(shape, dtype=plan.stat_dtype)
+def _chunk_kv(k_dilated, v_dilated, bias, qh: slice, kh: slice) -> list[torch.Tensor]:
+    """The K/V (and key bias) a head chunk sends round its ring."""
+    return [k_dilated[:, kh], v_dilated[:, kh]] + ([] if bias is None else [bias[:, qh]])
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """A site call's inputs on this rank: padded (Note [Padding the sequence]) and, in replicated
+    mode, this rank's shard of them; ``docs`` whole (padded)."""
+
+    q_padded: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    docs: torch.Tensor | None
+    dout: torch.Tensor | None = None
+
+    @classmethod
+    def take(cls, plan: SitePlan, q, k, v, mask, docs, dout=None) -> _Inputs:
+        with role("shard"):
+            padded = _padded(plan, q, k, v, *([] if dout is None else [dout]))
+            mask_padded = _padded_keys(plan, q, mask)
+            local = [_local(plan, x) for x in padded]
+            mask_local = None if mask_padded is None else _local(plan, mask_padded)
+            docs_padded = None if docs is None else _padded(plan, docs)[0]
+        return cls(padded[0], *local[:3], mask_local, docs_padded, *local[3:])
+
+
+@dataclasses.dataclass
+class _Forward:
+    """A forward call running its program (Note [The site program] in ``program.py``), one step
+    at a time: each step type has its method, and what steps hand on to later ones lives here."""
+
+    plan: SitePlan
+    rotater: Rotater
+    inputs: _Inputs
+    seed: torch.Tensor | None
+    rows: dict = dataclasses.field(default_factory=dict)
+    """Per branch its dilated ``(q, k, v, key bias)`` (Note [Rows of a ring branch])."""
+    rings: dict = dataclasses.field(default_factory=dict)
+    held: dict = dataclasses.field(default_factory=dict)
+    """Per ring head chunk ``(branch, chunk)``: its query heads (a slice), its queries, their
+    key bias, and the K/V (with their bias) held now."""
+    flights: dict = dataclasses.field(default_factory=dict)
+    computed: dict = dataclasses.field(default_factory=dict)
+    """Per ``(branch, chunk, step)`` what its blocks computed: the step's transfer waits for it."""
+    merged: dict = dataclasses.field(default_factory=dict)
+    """Per ring head chunk, runs of parts and their (out, lse) merged so far (``_merge_rows``)."""
+    results: dict = dataclasses.field(default_factory=dict)
+    """Per branch its dilated (out, lse); a ring's per head chunk."""
+    outs: list = dataclasses.field(default_factory=list)
+    lses: list = dataclasses.field(default_factory=list)
+    """Every branch's (out, lse) at the site's rows, for the merge."""
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+
+    def run(self, step) -> None:
+        getattr(self, type(step).__name__.lower())(step)
+
+    def dilate(self, step: Dilate) -> None:
+        plan, i = self.plan, step.branch
+        branch, x = plan.branches[i], self.inputs
+        with role("dilate", branch=i):
+            (q,) = _dilated(plan, branch.layout, x.q, rows=not branch.is_local)
+            k, v = _dilated(plan, branch.layout, x.k, x.v, kv=True, rows=not branch.is_local)
+            bias = _branch_bias(plan, branch, x.q, x.mask)
+        self.rows[i] = (q, k, v, bias)
+        if not branch.is_local:
+            self.rings[i] = _ring(self.rotater, i, branch)
+
+    def start(self, step: Start) -> None:
+        tag = step.tag
+        key = (tag.branch, tag.chunk)
+        with role("p2p", branch=tag.branch, step=tag.step):
+            if key in self.held:
+                kv = self.held[key][3]
+            else:  # started before its chunk begins (Note [Overlap across branches])
+                qh, kh = chunks(self.plan, self.plan.branches[tag.branch])[tag.chunk]
+                kv = _chunk_kv(*self.rows[tag.branch][1:], qh, kh)
+            self.flights[tag] = self.rings[tag.branch].start(kv, tag.kind, tag.step, tag.chunk)
+
+    def chunk(self, step: Chunk) -> None:
+        qh, kh = step.slices
+        q, k, v, bias = self.rows[step.branch]
+        q_heads, kv = q[:, qh], _chunk_kv(k, v, bias, qh, kh)
+        self.held[(step.branch, step.chunk)] = (qh, q_heads, _kv_and_bias(kv)[1], kv)
+        self.merged[(step.branch, step.chunk)] = {}
+
+    def block(self, step: ProgramBlock) -> None:
+        if step.kind == "skip":
+            return
+        if step.in_place:
+            self._in_place(step)
+        elif step.step is None:
+            self._local(step)
         else:
-            out, lse = q_local.new_zeros((*shape, plan.dv)), q_local.new_full(shape, _NEG_INF, dtype=plan.stat_dtype)
-    for j, (i, branch) in enumerate(local):
+            self._ring_block(step)
+
+    def _ring_block(self, blk: ProgramBlock) -> None:
+        plan, i, key = self.plan, blk.branch, (blk.branch, blk.chunk)
+        layout = plan.branches[i].layout
+        qh, q, own_bias, kv = self.held[key]
+        step_kv, step_bias = _kv_and_bias(kv)
+        band = _band_args(plan, plan.branches[i], blk, q, self.inputs.docs, qh)
+        with role("attention", branch=i, step=blk.step):
+            out, lse = torch.ops.ring_rewrite.block_attention(
+                _rows(q, layout, blk.q0, blk.q1),
+                *_kv_rows(plan, layout, step_kv, blk),
+                None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
+                plan.scale,
+                blk.causal,
+                *_drop(plan, self.seed, i, blk.chunk, blk.step, blk.index),
+                **band,
+                **_own_bias(plan, own_bias, layout, blk),
+            )
+        self.computed.setdefault((i, blk.chunk, blk.step), []).extend([out, lse])
+        with role("merge", branch=i, step=blk.step):
+            _merge_rows(self.merged[key], layout, blk.q0, blk.q1, out, lse)
+
+    def _local(self, blk: ProgramBlock) -> None:
+        plan, i = self.plan, blk.branch
+        q, k, v, bias = self.rows[i]
         with role("attention", branch=i):
+            band = _band_args(plan, plan.branches[i], blk, q, self.inputs.docs)
+            out, lse = torch.ops.ring_rewrite.block_attention(
+                q, k, v, bias, plan.scale, plan.is_causal, *_drop(plan, self.seed, i), **band, **_own_bias(plan, bias)
+            )
+        self.results[i] = (out, lse)
+
+    def _in_place(self, blk: ProgramBlock) -> None:
+        """A local branch read where it lies, merged into the running out and lse (Note [Local
+        branches in place]); the first allocates them, and at rate 1 writes them."""
+        plan, x = self.plan, self.inputs
+        first = not self.outs
+        write = next(b for b in plan.branches if b.is_local).layout.r == 1  # writes every position
+        if first:
+            shape = (plan.batch, plan.hq, plan.n_local)
+            with role("merge"):
+                if write:
+                    out, lse = x.q.new_empty((*shape, plan.dv)), x.q.new_empty(shape, dtype=plan.stat_dtype)
+                else:
+                    out = x.q.new_zeros((*shape, plan.dv))
+                    lse = x.q.new_full(shape, _NEG_INF, dtype=plan.stat_dtype)
+            self.outs.append(out)
+            self.lses.append(lse)
+        with role("attention", branch=blk.branch):
             torch.ops.ring_rewrite.dilated_block_attention(
-                out, lse, q_local, k_local, v_local, _fields(branch.layout), plan.scale, plan.is_causal,
-                write and j == 0,
+                self.outs[0], self.lses[0], x.q, x.k, x.v, _fields(plan.branches[blk.branch].layout), plan.scale,
+                plan.is_causal, write and first,
             )  # fmt: skip
-    return [out], [lse]
+
+    def wait(self, step: Wait) -> None:
+        tag = step.tag
+        key = (tag.branch, tag.chunk)
+        with role("p2p", branch=tag.branch, step=tag.step):
+            kv = self.rings[tag.branch].wait(self.flights.pop(tag), self.computed.pop((*key, tag.step), []))
+        self.held[key] = (*self.held[key][:3], kv)
+
+    def merge(self, step: Merge) -> None:
+        if step.branch is not None:  # a ring head chunk's runs of parts, whole
+            merged = self.merged.pop((step.branch, step.chunk))
+            runs = [merged[run] for run in sorted(merged)]
+            result = runs[0] if len(runs) == 1 else (torch.cat([o for o, _ in runs], 2), torch.cat([l for _, l in runs], 2))
+            self.results.setdefault(step.branch, []).append(result)
+            return
+        with role("merge"):
+            out, self.lse = merge_partials(self.outs, self.lses)
+            self.out = out.to(self.plan.dtype)
+
+    def undilate(self, step: Undilate) -> None:
+        i = step.branch
+        branch = self.plan.branches[i]
+        if branch.is_local:
+            out, lse = self.results.pop(i)
+        else:  # its head chunks side by side, then as the rows of a local branch
+            outs, lses = zip(*self.results.pop(i))
+            out, lse = _cat_heads(list(outs)), _cat_heads(list(lses))
+            out, lse = _from_rows(out, branch.layout), _from_rows(lse, branch.layout)
+        with role("undilate", branch=i):
+            self.outs.append(branch.layout.undilate_q(out))
+            self.lses.append(branch.layout.undilate_q(lse.unsqueeze(-1), _NEG_INF).squeeze(-1))
+
+    def gather(self, step: Gather) -> None:
+        with role("shard"):
+            # A few query values ride along: the ranks must hold the same sequence.
+            gathered = _gather(self.plan, self.rotater, self.out, step.index, _probe(self.plan, self.inputs.q_padded))
+            self.gathered = _unpadded(self.plan, gathered)
 
 
 def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None):
     """``(q, k, v[, mask][, token][, seed]) -> (out, saved)``; ``mask`` is an additive key bias
     ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
-    transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout."""
+    transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout. Runs the
+    plan's forward program (Note [The site program] in ``program.py``)."""
     rotater = Rotater(plan.group_name, token)
-    with role("shard"):
-        q_padded, k_padded, v_padded = _padded(plan, q, k, v)
-        mask_padded = _padded_keys(plan, q, mask)
-        q_local, k_local, v_local = _local(plan, q_padded), _local(plan, k_padded), _local(plan, v_padded)
-        mask_local = None if mask_padded is None else _local(plan, mask_padded)
-        docs_padded = None if docs is None else _padded(plan, docs)[0]
-    rings = {}  # ring branches: their inputs, their first transfer on its way
-    for i, branch in enumerate(plan.branches):
-        if not branch.is_local:
-            with role("dilate", branch=i):
-                (q_dilated,) = _dilated(plan, branch.layout, q_local, rows=True)
-                k_dilated, v_dilated = _dilated(plan, branch.layout, k_local, v_local, kv=True, rows=True)
-                bias = _branch_bias(plan, branch, q_local, mask_local)
-            ring = _ring(rotater, i, branch)
-            first = _first_transfer(plan, ring, i, branch, KV, k_dilated, v_dilated, bias)
-            rings[i] = (ring, q_dilated, k_dilated, v_dilated, bias, first)
-    outs, lses = [], []
-    if plan.local_in_place:
-        outs, lses = _local_in_place_forward(plan, q_local, k_local, v_local)
-    for i, branch in enumerate(plan.branches):
-        layout = branch.layout
-        if branch.is_local and plan.local_in_place:
-            continue
-        if branch.is_local:
-            with role("dilate", branch=i):
-                (q_dilated,) = _dilated(plan, layout, q_local)
-                k_dilated, v_dilated = _dilated(plan, layout, k_local, v_local, kv=True)
-                bias = _branch_bias(plan, branch, q_local, mask_local)
-            ((blk,),) = branch.steps
-            with role("attention", branch=i):
-                out_dilated, lse_dilated = torch.ops.ring_rewrite.block_attention(
-                    q_dilated, k_dilated, v_dilated, bias, plan.scale, plan.is_causal, *_drop(plan, seed, i),
-                    **_band_args(plan, branch, blk, None, q_dilated, docs_padded), **_own_bias(plan, bias),
-                )
-        else:
-            ring, q_dilated, k_dilated, v_dilated, bias, first = rings.pop(i)
-            out_dilated, lse_dilated = _ring_forward(
-                plan, ring, i, branch, q_dilated, k_dilated, v_dilated, bias, first, seed, docs_padded
-            )
-            out_dilated, lse_dilated = _from_rows(out_dilated, layout), _from_rows(lse_dilated, layout)
-        with role("undilate", branch=i):
-            outs.append(layout.undilate_q(out_dilated))
-            lses.append(layout.undilate_q(lse_dilated.unsqueeze(-1), _NEG_INF).squeeze(-1))
-    with role("merge"):
-        out, lse = merge_partials(outs, lses)
-        out = out.to(plan.dtype)
-    saved = [q, k, v, out, lse]
-    if plan.replicated:
-        with role("shard"):
-            # A few query values ride along: the ranks must hold the same sequence.
-            out = _unpadded(plan, _gather(plan, rotater, out, 0, _probe(plan, q_padded)))
+    run = _Forward(plan, rotater, _Inputs.take(plan, q, k, v, mask, docs), seed)
+    for step in plan.forward_program.steps:
+        run.run(step)
+    out = run.gathered if plan.replicated else run.out
     with role("p2p"):
-        rotater.close([out, lse])  # the forward's call ends; its token goes to the backward
-    saved += [x for x in (mask, docs, rotater.token, seed) if x is not None]
+        rotater.close([out, run.lse])  # the forward's call ends; its token goes to the backward
+    saved = [q, k, v, run.out, run.lse, *(x for x in (mask, docs, rotater.token, seed) if x is not None)]
     return out, saved
 
 
@@ -791,7 +835,7 @@ def _ring_backward(
     """
     dqs, dkv_chunks = [], []
     last_hop = None  # the previous chunk's dK/dV on their way home (_dkv_at_owner)
-    for c, (qh, kh) in enumerate(_chunks(plan, branch)):
+    for c, (qh, kh) in enumerate(chunks(plan, branch)):
         heads = (qh.stop - qh.start, kh.stop - kh.start)
         dq, prev_dkv, last_hop = _ring_backward_chunk(
             plan, ring, i, c, branch, heads, dout_dilated[:, qh], q_dilated[:, qh], k_dilated[:, kh],
@@ -854,9 +898,10 @@ def _ring_backward_chunk(
         shares = []  # (first key row, dk, dv) of each block
         step_kv, step_bias = _kv_and_bias(kv)
         for j, blk in enumerate(blocks):
-            band = _band_args(plan, branch, blk, step, q_dilated, docs, qh)
-            if band is None:
+            block = plan.backward_program.block(i, c, step, j)
+            if block.kind == "skip":
                 continue
+            band = _band_args(plan, branch, block, q_dilated, docs, qh)
             with role("attention_backward", branch=i, step=step):
                 dq_block, dk_block, dv_block = torch.ops.ring_rewrite.block_attention_backward(
                     *(_rows(x, layout, blk.q0, blk.q1) for x in (dout_dilated, q_dilated)),
@@ -938,10 +983,10 @@ def _local_backward(
     compute the rings' last dK/dV hops wait for."""
     if plan.local_in_place:
         return _local_in_place_backward(plan, dout_local, q_local, k_local, v_local, out, lse, rings)
-    chunks = plan.local_chunks()
-    if len(chunks) == 1:
+    heads = plan.local_chunks()
+    if len(heads) == 1:
         return _local_chunk(
-            plan, *chunks[0], dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings, ()
+            plan, 0, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings, ()
         )
     # A chunk's sums are final in the input dtype (rounded once), but for dK/dV to which the
     # rings' last hops still add (in stat_dtype).
@@ -955,9 +1000,9 @@ def _local_backward(
     # Sums in the input dtype add up in the totals, a chunk's heads in place; wider ones are a
     # chunk's own, cast once into the totals.
     into = totals if plan.dtype == plan.stat_dtype else None
-    for c, (qh, kh) in enumerate(chunks):
+    for c, (qh, kh) in enumerate(heads):
         *sums, _ = _local_chunk(
-            plan, qh, kh, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings,
+            plan, c, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings,
             totals if c else (), into,
         )  # fmt: skip
         if into is not None:
@@ -987,13 +1032,14 @@ def _local_in_place_backward(plan: SitePlan, dout_local, q_local, k_local, v_loc
 
 
 def _local_chunk(
-    plan: SitePlan, qh: slice, kh: slice, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs,
+    plan: SitePlan, c: int, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs,
     rings, before, into=None,
 ):  # fmt: skip
-    """dq, dk, dv of query heads ``qh`` (kv heads ``kh``) summed over the local branches and the
-    ``rings``' dq (``_add_rings_dq``), and the blocks' gradients; the blocks run once ``before``
-    (the previous chunk's sums) are computed. With ``into`` (the site's dq, dk, dv) the sums are
-    those heads of them, written in place."""
+    """dq, dk, dv of head chunk ``c`` (``SitePlan.local_chunks``) summed over the local branches
+    and the ``rings``' dq (``_add_rings_dq``), and the blocks' gradients; the blocks run once
+    ``before`` (the previous chunk's sums) are computed. With ``into`` (the site's dq, dk, dv)
+    the sums are those heads of them, written in place."""
+    qh, kh = plan.local_chunks()[c]
     whole = qh == slice(0, plan.hq)
 
     def heads(x, h):
@@ -1021,12 +1067,11 @@ def _local_chunk(
             lse_dilated = lse_dilated.squeeze(-1)
             bias = _branch_bias(plan, chunk, q_heads, mask)
         lse_dilated = _after(lse_dilated, *before)
-        ((blk,),) = branch.steps
         with role("attention_backward", branch=i):
+            band = _band_args(plan, chunk, plan.backward_program.block(i, c, None, 0), q_dilated, docs)
             dq_dilated, dk_dilated, dv_dilated = torch.ops.ring_rewrite.block_attention_backward(
                 dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias, plan.scale,
-                plan.is_causal, *_drop(plan, seed, i), **_band_args(plan, chunk, blk, None, q_dilated, docs),
-                **_own_bias(plan, bias),
+                plan.is_causal, *_drop(plan, seed, i), **band, **_own_bias(plan, bias),
             )  # fmt: skip
         computed += [dq_dilated, dk_dilated, dv_dilated]
         with role("undilate", branch=i):

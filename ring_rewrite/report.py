@@ -94,26 +94,21 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _block_pairs(layout, blk) -> int:
-    """Query-key pairs a block computes (rows x rows, the causal diagonal halves)."""
-    q_rows, k_rows = (blk.q1 - blk.q0) * layout.m, (blk.k1 - blk.k0) * layout.m
-    return q_rows * (q_rows + 1) // 2 if blk.causal else q_rows * k_rows
+def _counted(plan: SitePlan, graph: str):
+    """The plan's program folded for counting (``program.build``), so that ``plan()`` can count
+    every rank's at any scale."""
+    return plan.program(graph, folded=True)
 
 
 def attention_flops(plan: SitePlan) -> int:
-    """Useful forward FLOPs of the site on this rank (2 per multiply-add in QK^T and PV)."""
-    return sum(branch_flops(plan, branch) for branch in plan.branches)
+    """Useful forward FLOPs of the site on this rank (2 per multiply-add in QK^T and PV): the
+    blocks of its forward program (a block that a band skips computes none)."""
+    return _counted(plan, "forward").flops()
 
 
 def branch_flops(plan: SitePlan, branch) -> int:
     """Useful forward FLOPs of one branch on this rank."""
-    layout = branch.layout
-    if branch.is_local:
-        m = layout.m
-        pairs = layout.nseg * (m * (m + 1) // 2 if plan.is_causal else m * m)
-    else:
-        pairs = sum(_block_pairs(layout, blk) for step in branch.steps for blk in step)
-    return 2 * plan.batch * plan.hq * pairs * (plan.d + plan.dv)
+    return _counted(plan, "forward").flops(plan.branches.index(branch))
 
 
 def dense_flops(plan: SitePlan) -> int:
@@ -124,39 +119,18 @@ def dense_flops(plan: SitePlan) -> int:
 
 
 def bytes_sent(plan: SitePlan) -> dict[str, int]:
-    """Bytes this rank sends per forward and per backward (what the P2P ops count)."""
-    item = _itemsize(plan.dtype)
-    fwd = bwd = 0
-    for branch in plan.branches:
-        sent = branch_bytes_sent(plan, branch)
-        fwd, bwd = fwd + sent["forward"], bwd + sent["backward"]
-    if plan.replicated:
-        local = plan.batch * plan.n_local
-        tag = 8
-        probe = plan.hq * len(range(0, plan.n, max(1, plan.n // 16))) * item if plan.batch else 0
-        fwd += (plan.world - 1) * (local * plan.hq * plan.dv * item + tag + probe)
-        grads = local * (plan.hq * plan.d + plan.hkv * (plan.d + plan.dv)) * item + 3 * tag
-        bwd += (plan.world - 1) * grads
-    return {"forward": fwd, "backward": bwd}
+    """Bytes this rank sends per forward and per backward (what the P2P ops count): the
+    programs' transfers and gathers."""
+    return {graph: _counted(plan, graph).bytes_sent() for graph in ("forward", "backward")}
 
 
 def branch_bytes_sent(plan: SitePlan, branch) -> dict[str, int]:
     """Bytes one branch's ring sends from this rank per forward and per backward, and its
     largest message (one head chunk's K/V, or dK/dV in ``stat_dtype``, with the keys' bias)."""
-    if branch.is_local:
-        return {"forward": 0, "backward": 0, "message": 0}
-    item, stat = _itemsize(plan.dtype), _itemsize(plan.stat_dtype)
-    layout = branch.layout
-    rows = layout.batch * layout.nseg * layout.kv_heads * layout.m * (plan.d + plan.dv)
-    hops = len(branch.ring) - 1
-    fwd = hops * rows * item
-    bwd = hops * rows * item + hops * rows * stat  # K/V again, then dK/dV (stat_dtype)
-    bias = 0
-    if plan.needs_bias(branch):  # the keys' bias travels with them, both ways
-        bias = layout.batch * layout.nseg * plan.hq * layout.m * _itemsize(plan.compute_dtype)
-        fwd, bwd = fwd + hops * bias, bwd + hops * bias
-    message = max(rows * item + bias, rows * stat) // plan.head_chunks(branch)
-    return {"forward": fwd, "backward": bwd, "message": message}
+    i = plan.branches.index(branch)
+    fwd, bwd = _counted(plan, "forward"), _counted(plan, "backward")
+    message = max(fwd.largest_message(i), bwd.largest_message(i))
+    return {"forward": fwd.bytes_sent(i), "backward": bwd.bytes_sent(i), "message": message}
 
 
 def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:

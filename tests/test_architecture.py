@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = {
     "attention", "config", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "ops", "p2p",
-    "reference", "roles", "schedule",
+    "program", "reference", "roles", "schedule",
 }  # fmt: skip
 FRONT = {"__init__", "backend", "cache", "recompiles", "report", "scale", "testing", "pytest_plugin"}
 LAYERS = {"runtime": 0, "passes": 1, "front": 2}

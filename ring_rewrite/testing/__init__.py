@@ -23,7 +23,8 @@ What each piece looks at (docs/semantics.md, The rewritten graph):
   the test expects; failures show the report table.
 * ``assert_same_p2p_schedule``: compiled once per rank of a fake process group, every rank issues
   the same ring transfers (op, tag, shape, dtype) in the same order, forward and backward, and
-  each message has a receiver (Note [Ordering the ring's messages] in ``ring_rewrite/p2p.py``).
+  each message has a receiver (Note [Ordering the ring's messages] in ``ring_rewrite/p2p.py``);
+  ``planned_transfers`` reads the same from a plan's program, without compiling.
 * ``inductor_code`` / ``check_code``: the wrapper code inductor generated, and
   ``torch.testing.FileCheck`` directives run over it (where order in the code that runs matters).
 * ``buffers_in_flight_violations``: in that code, every buffer a transfer sends stays alive and
@@ -51,7 +52,7 @@ from .expected import ACCEPT_ENV, assert_expected_graph
 from .faults import InjectedFault, in_block_kernel
 from .generated import buffers_in_flight_violations, check_code, inductor_code
 from .graphs import graph_text, op_label, site_body
-from .schedule import Transfer, transfers
+from .schedule import Transfer, planned_transfers, transfers
 
 __all__ = [
     "ACCEPT_ENV",
@@ -74,6 +75,7 @@ __all__ = [
     "in_block_kernel",
     "inductor_code",
     "op_label",
+    "planned_transfers",
     "site_body",
     "transfers",
 ]

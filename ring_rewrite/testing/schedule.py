@@ -10,9 +10,10 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
+from ..program import Start
 from .graphs import callable_label, walk
 
-__all__ = ["Transfer", "transfers"]
+__all__ = ["Transfer", "planned_transfers", "transfers"]
 
 # A ring step's transfer is counted at its start (``ring_shift_wait`` only finishes it).
 P2P = {"ring_rewrite.ring_shift_start": "send_recv", "ring_rewrite.all_gather_seq": "all_gather"}
@@ -141,6 +142,36 @@ def transfers(graphs: fx.GraphModule | Iterable[fx.GraphModule], graph: str = "f
             )
     return found
 
+
+def planned_transfers(plan: Any, graph: str = "forward") -> list[Transfer]:
+    """The ring transfers a site's program lists, in order, without compiling anything.
+
+    Read from ``plan.forward_program`` or ``plan.backward_program`` (Note [The site program] in
+    ``ring_rewrite/program.py``), which list exactly what the traced bodies issue: the same
+    ``Transfer`` values ``transfers`` reads from the graphs, shapes and dtypes included. Compare
+    the plans of every rank (``SitePlan.build(..., rank=r)``) to check a schedule at any size.
+
+    Args:
+        plan (SitePlan): a site's plan on one rank (``SiteRecord.plan``, or built).
+        graph (str): ``"forward"`` or ``"backward"``. Default: ``"forward"``.
+
+    Returns:
+        list[Transfer]: the ring shifts and gathers in issue order.
+
+    Example::
+
+        plans = [SitePlan.build(world=4, rank=r, **site) for r in range(4)]
+        schedules = [planned_transfers(p, "backward") for p in plans]
+        assert all(s == schedules[0] for s in schedules)  # peers aside: compare .key
+    """
+    program = plan.forward_program if graph == "forward" else plan.backward_program
+    found = []
+    for t in program.transfers():
+        if isinstance(t, Start):
+            found.append(Transfer(graph, "send_recv", t.tag.encode(), t.shapes, t.dtypes, t.send_to, t.recv_from))
+        else:
+            found.append(Transfer(graph, "all_gather", t.tag.encode(), (t.shape,), (t.dtype,), None, None))
+    return found
 
 
 def _p2p_op(node: fx.Node) -> tuple[str, Any, tuple, dict] | None:

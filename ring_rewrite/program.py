@@ -1,0 +1,642 @@
+"""A site's program: every gather, transfer, block and sum of one site call on one rank, in order.
+
+Note [The site program]
+~~~~~~~~~~~~~~~~~~~~~~~
+``SitePlan.forward_program`` and ``SitePlan.backward_program`` list, once per plan, what
+``site_forward`` and ``site_backward`` do on this rank, one typed step at a time, with their sizes:
+
+* ``Dilate``: a branch's rows put in its kernel layout (gathered, or views of the inputs);
+* ``Start`` / ``Wait``: a ring transfer (its ``Tag``, the tensors sent, their shapes, dtypes
+  and peers) and the wait that ends it, after the blocks it overlaps;
+* ``Chunk``: a ring branch's head chunk begins (its heads, as views);
+* ``Block``: one block attention call (or its backward): the branch, ring step and head chunk,
+  its query and key rows, and ``kind``: ``full`` (no pair masked), ``partial`` (a band or
+  documents mask some: the call takes the rows' positions, Note [Bands] in ``attention.py``) or
+  ``skip`` (every pair masked: no call, the transfer still goes);
+* ``Merge`` / ``Undilate``: results merged (forward) or gradients summed (backward), and a
+  branch's results put back at the site's rows; ``Land``: a ring's dK/dV home; ``Cast``: the
+  gradients in the input dtype;
+* ``Gather``: replicated mode's all-gather of an output or a gradient.
+
+What a band or documents mean for a block is decided here (``_block``) and nowhere else: the
+bodies skip the blocks marked ``skip`` and hand a ``partial`` block's positions to its kernel.
+``print(plan.forward_program)`` shows a program, one line a step. ``tests/test_program.py``
+checks that it lists exactly the transfers, in order, and the block calls that the traced
+bodies issue, on every rank.
+
+The report's FLOPs and bytes sum a program's blocks and transfers (``report.py``), folded:
+``SitePlan.program(graph, folded=True)`` lists each ring's transfers of a kind once and its
+equal blocks once, each with how many times it runs (``times``). The counts are the same (head
+chunks are equal slices, every hop of a ring sends the same); the steps are about ``1 / (ring
+size x head chunks)`` as many, which lets ``ring_rewrite.plan`` build every rank's of a billion
+tokens over 512 ranks in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from .p2p import DKV, GATHER, KV, KV_BACK, Tag
+from .schedule import shard_parts
+
+if TYPE_CHECKING:
+    from .attention import SitePlan
+    from .schedule import BranchPlan
+    from .schedule import Block as Parts
+
+__all__ = [
+    "Block", "Cast", "Chunk", "Dilate", "Gather", "Land", "Merge", "Program", "Start", "Undilate", "Wait", "build",
+]  # fmt: skip
+
+_DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dilate:
+    """A branch's ``tensors`` in its kernel layout: one gather each (``copied``), or views; a
+    local branch's backward takes the heads of its ``chunk`` (``SitePlan.local_chunks``)."""
+
+    branch: int
+    tensors: tuple[str, ...]
+    copied: bool
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        where = f"b{self.branch} c{self.chunk}" if self.chunk else f"b{self.branch}"
+        return f"dilate    {where}  {' '.join(self.tensors)} ({'gathered' if self.copied else 'views'})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """A ring transfer started: ``tensors`` (their ``shapes`` and ``dtypes``, ``bytes`` in all)
+    to group rank ``send_to``, their like received from ``recv_from``; ``times``: how many
+    transfers of the ring this one stands for in a folded program (``build``)."""
+
+    tag: Tag
+    tensors: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    bytes: int
+    send_to: int
+    recv_from: int
+    times: int = 1
+
+    def __str__(self) -> str:
+        sent = ",".join(f"{n} {_shape(s)} {_DTYPES.get(d, d)}" for n, s, d in zip(self.tensors, self.shapes, self.dtypes))
+        times = f" ({self.times} times)" if self.times > 1 else ""
+        return f"start     {_where(self.tag)}  {sent} to {self.send_to} from {self.recv_from}{times}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """The transfer ``tag`` waited for, after the blocks it overlaps: those of ``after``, a
+    ``(branch, head chunk, ring step)``, or (None) the local branches' (Note [Overlap across
+    branches] in ``attention.py``)."""
+
+    tag: Tag
+    after: tuple[int, int, int] | None
+
+    def __str__(self) -> str:
+        tag, after = self.tag, self.after
+        if after is None:
+            return f"wait      {_where(tag)}  after the local branches"
+        if after != (tag.branch, tag.chunk, tag.step):
+            return f"wait      {_where(tag)}  after s{after[2]} c{after[1]}"
+        return f"wait      {_where(tag)}"
+
+
+def _where(tag: Tag) -> str:
+    kinds = {KV: "K/V", KV_BACK: "K/V", DKV: "dK/dV"}
+    return f"b{tag.branch} s{tag.step} c{tag.chunk}  {kinds[tag.kind]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One block attention call (``backward``: its gradients) of ``branch`` at ring ``step``
+    (None: a local branch) and head ``chunk``: query parts ``[q0, q1)`` against key parts
+    ``[k0, k1)`` of the K/V held, ``rows`` query rows and ``keys`` key rows per head and batch
+    element, over ``batch`` batch elements (a local branch's segments count as batch) and ``heads``
+    query heads. ``index``: its place in the step (dropout names a block by it).
+
+    ``kind``: ``"full"``, ``"partial"`` or ``"skip"`` (Note [The site program]). A partial
+    block's ``band`` is ``(lo, hi)`` of ``t - p`` (None: open), ``documents`` the relation of the
+    rows' document ids; ``q_starts`` / ``k_starts`` are the positions of each part's first row,
+    ``stride`` the distance between rows (the rate). ``in_place``: a local branch that reads its
+    rows where they lie (Note [Local branches in place] in ``attention.py``). ``times``: how
+    many head chunks' blocks it stands for in a folded program (``build``)."""
+
+    branch: int
+    step: int | None
+    chunk: int
+    index: int
+    parts: tuple[int, int, int, int]
+    batch: int
+    heads: int
+    rows: int
+    keys: int
+    causal: bool
+    kind: str = "full"
+    band: tuple[int | None, int | None] | None = None
+    documents: str | None = None
+    q_starts: tuple[int, ...] = ()
+    k_starts: tuple[int, ...] = ()
+    stride: int = 1
+    in_place: bool = False
+    backward: bool = False
+    times: int = 1
+
+    @property
+    def q0(self) -> int:
+        return self.parts[0]
+
+    @property
+    def q1(self) -> int:
+        return self.parts[1]
+
+    @property
+    def k0(self) -> int:
+        return self.parts[2]
+
+    @property
+    def k1(self) -> int:
+        return self.parts[3]
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs the call computes per head and batch element (the causal diagonal
+        halves); none for a skipped block."""
+        if self.kind == "skip":
+            return 0
+        return self.rows * (self.rows + 1) // 2 if self.causal else self.rows * self.keys
+
+    def __str__(self) -> str:
+        where = f"b{self.branch}" if self.step is None else f"b{self.branch} s{self.step} c{self.chunk}"
+        q0, q1, k0, k1 = self.parts
+        parts = "" if self.step is None else f" q{q0}:{q1} k{k0}:{k1}"
+        mask = ""
+        if self.kind == "partial":
+            mask = " band " + ",".join("open" if x is None else str(x) for x in (self.band or (None, None)))
+            mask += f" documents {self.documents}" if self.documents else ""
+        return (
+            f"block{'_bw' if self.backward else '   '}  {where}{parts}  {self.batch}x{self.heads} "
+            f"{self.rows}x{self.keys}{' causal' if self.causal else ''} {self.kind}{mask}"
+            f"{', in place' if self.in_place else ''}{f' ({self.times} times)' if self.times > 1 else ''}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Head chunk ``chunk`` of a ring branch begins: its query heads ``[q0, q1)`` and dilated
+    kv heads ``[k0, k1)`` taken, as views, from the branch's rows (Note [Head chunks] in
+    ``attention.py``)."""
+
+    branch: int
+    chunk: int
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+
+    @property
+    def slices(self) -> tuple[slice, slice]:
+        return slice(*self.heads), slice(*self.kv_heads)
+
+    def __str__(self) -> str:
+        (q0, q1), (k0, k1) = self.heads, self.kv_heads
+        return f"chunk     b{self.branch} c{self.chunk}  heads {q0}:{q1}, kv heads {k0}:{k1}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Merge:
+    """Results merged (forward: out and lse, by their lse) or gradients summed (backward) of
+    ``branch`` (None: the site's, every branch's), of head ``chunk`` (a ring's, or backward
+    the local branches') and ring ``step``; backward ``dq`` of a ring: its head chunks' side by
+    side."""
+
+    branch: int | None = None
+    what: str = "out, lse"
+    chunk: int = 0
+    step: int | None = None
+
+    def __str__(self) -> str:
+        where = "site" if self.branch is None else f"b{self.branch}"
+        where += "" if self.step is None else f" s{self.step}"
+        return f"merge     {where} c{self.chunk}  {self.what}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Land:
+    """A ring head chunk's dK/dV home: the accumulator that came back on its last hop plus the
+    share of the owner's own K/V, which never left (Note [Backward from the merged statistics]
+    in ``attention.py``)."""
+
+    branch: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"land      b{self.branch} c{self.chunk}  dk, dv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """The site's sums (``stat_dtype``) in the input dtype."""
+
+    tensors: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"cast      {' '.join(self.tensors)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Undilate:
+    """A branch's results (forward) or gradients (backward, added in place) at the site's rows;
+    backward, those of the local branches' head ``chunk`` (a ring's dq: its heads of that chunk)."""
+
+    branch: int
+    tensors: tuple[str, ...]
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        where = f"b{self.branch} c{self.chunk}" if self.chunk else f"b{self.branch}"
+        return f"undilate  {where}  {' '.join(self.tensors)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """Replicated mode: every rank's ``tensor`` (``shape``, ``dtype``) gathered, the site's
+    ``index``-th gather; ``bytes`` this rank sends (its shard to every other rank, with the
+    message's tag and, for the output, the probe of the query values)."""
+
+    index: int
+    tensor: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bytes: int
+
+    @property
+    def tag(self) -> Tag:
+        return Tag(0, GATHER, self.index)
+
+    def __str__(self) -> str:
+        return f"gather    {self.index}  {self.tensor} {_shape(self.shape)} {_DTYPES.get(self.dtype, self.dtype)}"
+
+
+Step = Union[Dilate, Start, Wait, Chunk, Block, Merge, Land, Undilate, Cast, Gather]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The steps of one site call (``graph``: ``"forward"`` or ``"backward"``) on one rank, in
+    the order the body runs them (Note [The site program]). ``str`` prints one line a step."""
+
+    graph: str
+    title: str
+    steps: tuple[Step, ...]
+    d: int
+    dv: int
+
+    def blocks(self, branch: int | None = None) -> list[Block]:
+        return [s for s in self.steps if isinstance(s, Block) and branch in (None, s.branch)]
+
+    def transfers(self, branch: int | None = None) -> list[Start | Gather]:
+        """Ring transfers (``Start``) and gathers, in issue order (``branch``: its ring's only)."""
+        if branch is None:
+            return [s for s in self.steps if isinstance(s, (Start, Gather))]
+        return [s for s in self.steps if isinstance(s, Start) and s.tag.branch == branch]
+
+    def flops(self, branch: int | None = None) -> int:
+        """Useful FLOPs of the blocks (of ``branch``), 2 per multiply-add in QK^T and PV (a
+        skipped block has none, ``Block.pairs``)."""
+        return self._counts(branch)[0]
+
+    def bytes_sent(self, branch: int | None = None) -> int:
+        """Bytes this rank sends: its transfers (of ``branch``'s ring) and gathers."""
+        return self._counts(branch)[1]
+
+    def largest_message(self, branch: int | None = None) -> int:
+        """The largest transfer (of ``branch``'s ring) or gather, in bytes."""
+        return self._counts(branch)[2]
+
+    def _counts(self, branch: int | None) -> tuple[int, int, int]:
+        counts = self._by_branch
+        if branch is not None:
+            return counts.get(branch, (0, 0, 0))
+        return sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values()), max(
+            (c[2] for c in counts.values()), default=0
+        )
+
+    @functools.cached_property
+    def _by_branch(self) -> dict[int | None, tuple[int, int, int]]:
+        """``(FLOPs, bytes sent, largest message)`` per branch (None: the gathers), one pass."""
+        counts: dict = {}
+        for s in self.steps:
+            if isinstance(s, Block):
+                key, flops, sent, message = s.branch, 2 * s.batch * s.heads * s.pairs * (self.d + self.dv) * s.times, 0, 0
+            elif isinstance(s, (Start, Gather)):
+                key = s.tag.branch if isinstance(s, Start) else None
+                flops, sent, message = 0, s.bytes * getattr(s, "times", 1), s.bytes
+            else:
+                continue
+            f, b, m = counts.get(key, (0, 0, 0))
+            counts[key] = (f + flops, b + sent, max(m, message))
+        return counts
+
+    def block(self, branch: int, chunk: int, step: int | None, index: int) -> Block:
+        """The block ``index`` of ``branch``'s ring ``step`` in head ``chunk``."""
+        return self._places[(branch, chunk, step, index)]
+
+    @functools.cached_property
+    def _places(self) -> dict:
+        return {(b.branch, b.chunk, b.step, b.index): b for b in self.blocks()}
+
+    def __str__(self) -> str:
+        return "\n".join([self.title, *(f"  {s}" for s in self.steps)])
+
+
+def build(plan: SitePlan, graph: str, *, folded: bool = False) -> Program:
+    """The ``"forward"`` or ``"backward"`` program of ``plan``.
+
+    ``folded``: each ring's transfers of a kind listed once, and its blocks for the first head
+    chunk, each with how many times it runs (``times``): the same counts (FLOPs, bytes, the
+    largest message) in about ``1 / (ring size x head chunks)`` of the steps, not in the body's
+    order. The report counts these, so ``ring_rewrite.plan`` builds every rank's at any scale.
+    """
+    steps = _forward(plan, folded) if graph == "forward" else _backward(plan, folded)
+    title = f"site {plan.site} {graph}"
+    if plan.world > 1:
+        title += f", rank {plan.rank} of {plan.world} ({plan.sharding}, {plan.layout})"
+    if folded:
+        title += ", folded"
+    return Program(graph, title, tuple(steps), plan.d, plan.dv)
+
+
+def chunks(plan: SitePlan, branch: BranchPlan) -> list[tuple[slice, slice]]:
+    """Query-head and kv-head slices of each head chunk of a ring branch (dilated layout: query
+    head ``j`` reads kv head ``j // (hq / kv_heads)``, so contiguous slices pair up)."""
+    g = plan.head_chunks(branch)
+    qc, kc = plan.hq // g, branch.layout.kv_heads // g
+    return [(slice(c * qc, (c + 1) * qc), slice(c * kc, (c + 1) * kc)) for c in range(g)]
+
+
+# ---- the forward ----------------------------------------------------------------------------
+
+
+def _forward(plan: SitePlan, folded: bool) -> list[Step]:
+    steps: list[Step] = []
+    for i, branch in _rings(plan):
+        steps.append(Dilate(i, ("q", "k", "v", *_bias(plan, branch)), _copied(branch)))
+        times = _hops(plan, branch) if folded else 1
+        steps.append(_start(_sent(plan, branch), i, branch, KV, 0, 0, times))
+    if plan.local_in_place:
+        steps += [_block(plan, i, b, b.steps[0][0], None, 0, 0, plan.hq, in_place=True) for i, b in _locals(plan)]
+    for i, branch in enumerate(plan.branches):
+        if branch.is_local and plan.local_in_place:
+            continue
+        if branch.is_local:
+            steps.append(Dilate(i, ("q", "k", "v", *_bias(plan, branch)), _copied(branch)))
+            steps.append(_block(plan, i, branch, branch.steps[0][0], None, 0, 0, plan.hq))
+        else:
+            steps += _ring_forward(plan, i, branch, folded)
+        steps.append(Undilate(i, ("out", "lse")))
+    steps.append(Merge())
+    if plan.replicated:
+        steps.append(_gather(plan, 0, "out", plan.dv))
+    return steps
+
+
+def _ring_forward(plan: SitePlan, i: int, branch: BranchPlan, folded: bool) -> list[Step]:
+    """One ring branch's forward, head chunk by head chunk: K/V travel while each step computes
+    (folded: the first chunk's blocks, no transfer: ``_forward`` listed it)."""
+    steps: list[Step] = []
+    last = len(branch.ring) - 1
+    sent, chunks = _sent(plan, branch), plan.head_chunks(branch)
+    heads = plan.hq // chunks
+    for c in range(1 if folded else chunks):
+        steps += [] if folded else [_chunk(plan, i, branch, c)]
+        for step, blocks in enumerate(branch.steps):
+            moves = step < last and not folded
+            if moves and (step, c) != (0, 0):  # the first chunk's first one started early
+                steps.append(_start(sent, i, branch, KV, step, c))
+            if not folded:
+                steps += [_block(plan, i, branch, blk, step, c, j, heads) for j, blk in enumerate(blocks)]
+            if moves:
+                steps.append(Wait(Tag(i, KV, step, c), (i, c, step)))
+        steps += _folded_blocks(plan, i, branch, heads, backward=False) if folded else []
+        steps.append(Merge(i, chunk=c))
+    return steps
+
+
+# ---- the backward ---------------------------------------------------------------------------
+
+
+_ROWS_BACKWARD = ("q", "dout", "out", "k", "v", "lse")
+
+
+def _backward(plan: SitePlan, folded: bool) -> list[Step]:
+    steps: list[Step] = []
+    last_hops = []  # each ring's last chunk's dK/dV on their way home
+    for i, branch in _rings(plan):
+        steps.append(Dilate(i, (*_ROWS_BACKWARD, *_bias(plan, branch)), _copied(branch)))
+        steps += _ring_backward(plan, i, branch, folded)
+        if not folded:
+            last_hops.append(Tag(i, DKV, len(branch.ring) - 1, plan.head_chunks(branch) - 1))
+    steps += _locals_backward(plan)
+    for tag in last_hops:
+        steps += [Wait(tag, None), Land(tag.branch, tag.chunk), Undilate(tag.branch, ("dk", "dv"))]
+    steps.append(Cast(("dq", "dk", "dv")))
+    if plan.replicated:
+        steps += [_gather(plan, 1, "dq", plan.d), _gather(plan, 2, "dk", plan.d), _gather(plan, 3, "dv", plan.dv)]
+    return steps
+
+
+def _locals_backward(plan: SitePlan) -> list[Step]:
+    """The local branches' backward, in place or one head chunk after another (Note [Head
+    chunks of local branches] in ``attention.py``), each chunk's sums with the rings' dq of its
+    heads; with several chunks each chunk's sums then go into the site's gradients."""
+    local, rings = _locals(plan), _rings(plan)
+    if plan.local_in_place:
+        steps: list[Step] = [
+            _block(plan, i, b, b.steps[0][0], None, 0, 0, plan.hq, in_place=True, backward=True) for i, b in local
+        ]
+        return steps + [Undilate(i, ("dq",)) for i, _ in rings]
+    if not local:
+        return [Undilate(i, ("dq",)) for i, _ in rings]
+    steps = []
+    chunks = plan.local_chunks()
+    for c, (qh, _) in enumerate(chunks):
+        for i, branch in local:
+            steps.append(Dilate(i, (*_ROWS_BACKWARD, *_bias(plan, branch)), _copied(branch), c))
+            steps.append(_block(plan, i, branch, branch.steps[0][0], None, c, 0, qh.stop - qh.start, backward=True))
+            steps.append(Undilate(i, ("dq", "dk", "dv"), c))
+        steps += [Undilate(i, ("dq",), c) for i, _ in rings]
+        if len(chunks) > 1:
+            steps.append(Merge(None, "dq, dk, dv", c))
+    return steps
+
+
+def _ring_backward(plan: SitePlan, i: int, branch: BranchPlan, folded: bool) -> list[Step]:
+    """One ring branch's backward, head chunk by head chunk (Note [Head chunks] in
+    ``attention.py``): K/V go round again; dK/dV follow one step behind, from the first rank
+    that holds them, and a chunk's last hop home lands during the next chunk's first step.
+    Folded: each kind of transfer once, then the first chunk's blocks."""
+    last = len(branch.ring) - 1
+    sent, chunks = _sent(plan, branch), plan.head_chunks(branch)
+    heads = plan.hq // chunks
+    if folded:
+        times = _hops(plan, branch)
+        steps: list[Step] = [_start(sent, i, branch, kind, s, 0, times) for kind, s in ((KV_BACK, 0), (DKV, 1))]
+        return steps + _folded_blocks(plan, i, branch, heads, backward=True)
+    steps = []
+    for c in range(chunks):
+        steps.append(_chunk(plan, i, branch, c))
+        for step, blocks in enumerate(branch.steps):
+            if step < last:
+                steps.append(_start(sent, i, branch, KV_BACK, step, c))
+            for j, blk in enumerate(blocks):
+                steps.append(_block(plan, i, branch, blk, step, c, j, heads, backward=True))
+            if step == 0 and c > 0:
+                steps += [Wait(Tag(i, DKV, last, c - 1), (i, c, 0)), Land(i, c - 1)]
+            if step > 1:
+                steps.append(Wait(Tag(i, DKV, step - 1, c), (i, c, step)))
+            steps.append(Merge(i, "dk, dv", c, step))
+            if step > 0:
+                steps.append(_start(sent, i, branch, DKV, step, c))
+            if step < last:
+                steps.append(Wait(Tag(i, KV_BACK, step, c), (i, c, step)))
+    return steps + [Merge(i, "dq")]
+
+
+# ---- the pieces -----------------------------------------------------------------------------
+
+
+def _rings(plan: SitePlan) -> list[tuple[int, BranchPlan]]:
+    return [(i, b) for i, b in enumerate(plan.branches) if not b.is_local]
+
+
+def _locals(plan: SitePlan) -> list[tuple[int, BranchPlan]]:
+    return [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
+
+
+def _bias(plan: SitePlan, branch: BranchPlan) -> tuple[str, ...]:
+    return ("bias",) if plan.needs_bias(branch) else ()
+
+
+def _copied(branch: BranchPlan) -> bool:
+    """Whether the branch's rows are gathered (a rate above 1, or padding), not views."""
+    return branch.layout.r > 1 or branch.layout.padded != branch.layout.n
+
+
+def _folded_blocks(plan: SitePlan, i: int, branch: BranchPlan, heads: int, backward: bool) -> list[Block]:
+    """A ring branch's blocks, each once with how many times it runs over the steps and head
+    chunks: without a band or documents a block is what its parts are, so equal parts fold into
+    one; with them, one a step (the band makes each step's its own)."""
+    chunks = plan.head_chunks(branch)
+    places = [(step, j, blk) for step, blocks in enumerate(branch.steps) for j, blk in enumerate(blocks)]
+    if plan.band is not None or plan.documents:
+        return [_block(plan, i, branch, blk, step, 0, j, heads, backward=backward, times=chunks) for step, j, blk in places]
+    folded: dict[tuple, list] = {}  # the block's parts -> [step, index, block, times]
+    for step, j, blk in places:
+        place = folded.setdefault((blk.q0, blk.q1, blk.k0, blk.k1, blk.causal), [step, j, blk, 0])
+        place[3] += chunks
+    return [_block(plan, i, branch, blk, step, 0, j, heads, backward=backward, times=n) for step, j, blk, n in folded.values()]
+
+
+def _chunk(plan: SitePlan, i: int, branch: BranchPlan, c: int) -> Chunk:
+    qh, kh = chunks(plan, branch)[c]
+    return Chunk(i, c, (qh.start, qh.stop), (kh.start, kh.stop))
+
+
+def _hops(plan: SitePlan, branch: BranchPlan) -> int:
+    """Transfers of one kind a ring branch makes per call: one a step but the last, per head chunk."""
+    return (len(branch.ring) - 1) * plan.head_chunks(branch)
+
+
+def _sent(plan: SitePlan, branch: BranchPlan) -> dict[bool, tuple]:
+    """What one head chunk of a ring branch sends, ``(names, shapes, dtypes, bytes)``: K/V in the
+    input dtype (and their keys' bias, in the compute dtype), or (``True``) dK/dV in
+    ``stat_dtype``."""
+    layout = branch.layout
+    g = plan.head_chunks(branch)
+    rows = (layout.batch, layout.kv_heads // g, layout.nseg * layout.m)
+    kv = [("k", (*rows, plan.d), plan.dtype), ("v", (*rows, plan.dv), plan.dtype)]
+    if plan.needs_bias(branch):
+        kv.append(("bias", (layout.batch, plan.hq // g, 1, rows[2]), plan.compute_dtype))
+    dkv = [("dk", (*rows, plan.d), plan.stat_dtype), ("dv", (*rows, plan.dv), plan.stat_dtype)]
+    sent = {}
+    for key, tensors in ((False, kv), (True, dkv)):
+        names, shapes, dtypes = zip(*tensors)
+        sent[key] = (names, shapes, dtypes, sum(math.prod(s) * _itemsize(d) for s, d in zip(shapes, dtypes)))
+    return sent
+
+
+def _start(sent: dict, i: int, branch: BranchPlan, kind: int, step: int, c: int, times: int = 1) -> Start:
+    """Head chunk ``c``'s transfer of ``kind`` at ``step`` (``sent``: ``_sent``'s)."""
+    names, shapes, dtypes, size = sent[kind == DKV]
+    return Start(Tag(i, kind, step, c), names, shapes, dtypes, size, branch.send_to, branch.recv_from, times)
+
+
+def _gather(plan: SitePlan, index: int, name: str, width: int) -> Gather:
+    heads = plan.hq if name in ("out", "dq") else plan.hkv
+    shape = (plan.batch, heads, plan.n_local, width)
+    item = _itemsize(plan.dtype)
+    sent = math.prod(shape) * item + 8  # the shard and the message's tag
+    if index == 0 and plan.batch:  # the probe of query values (``attention._probe``)
+        sent += plan.hq * len(range(0, plan.n, max(1, plan.n // 16))) * item
+    return Gather(index, name, shape, plan.dtype, (plan.world - 1) * sent)
+
+
+def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> tuple[int, ...]:
+    """Position of the first row of each part a block of ``branch`` reads: this rank's parts
+    (``step`` None) or those of the K/V held at ``step``. Global for a ring; for a local branch
+    within the segment (only differences of positions matter, Note [Bands])."""
+    if branch.is_local:
+        return (0,)
+    rank = plan.rank if step is None else branch.ring[(branch.position - step) % len(branch.ring)]
+    parts = shard_parts(plan.layout)
+    size = plan.n_local // parts
+    if parts == 1:
+        return (rank * size,)
+    return (rank * size, (2 * plan.world - 1 - rank) * size)
+
+
+def _block(
+    plan: SitePlan, i: int, branch: BranchPlan, blk: Parts, step: int | None, c: int, j: int, heads: int, *,
+    in_place: bool = False, backward: bool = False, times: int = 1,
+) -> Block:  # fmt: skip
+    """The block ``blk`` of ``branch`` at ring ``step`` (None: local) in head chunk ``c`` of
+    ``heads`` query heads, and
+    what a band or documents make of it (Note [Bands] in ``attention.py``): ``full`` when no pair
+    is masked, ``skip`` when every pair is (only where the band holds the diagonal: then every
+    part keeps the block of its own diagonal and has rows to merge), else ``partial``."""
+    layout = branch.layout
+    m, r = layout.m, layout.r
+    batch = layout.batch * layout.nseg if branch.is_local else layout.batch
+    block = Block(
+        i, step, c, j, (blk.q0, blk.q1, blk.k0, blk.k1), batch, heads, (blk.q1 - blk.q0) * m,
+        (blk.k1 - blk.k0) * m, blk.causal, in_place=in_place, backward=backward, times=times,
+    )  # fmt: skip
+    if plan.band is None and not plan.documents:
+        return block
+    lo, hi = plan.band or (None, None)
+    qs = _starts(plan, branch, None)[blk.q0 : blk.q1]
+    ks = _starts(plan, branch, 0 if step is None else step)[blk.k0 : blk.k1]
+    d_min = min(ks) - max(qs) - (m - 1) * r
+    d_max = max(ks) + (m - 1) * r - min(qs)
+    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi) and not plan.documents:
+        return block
+    skip = (lo is not None and d_max < lo) or (hi is not None and d_min > hi)
+    kind = "skip" if skip and (lo is None or lo <= 0) and (hi is None or hi >= 0) else "partial"
+    return dataclasses.replace(
+        block, kind=kind, band=(lo, hi), documents=plan.documents, q_starts=qs, k_starts=ks, stride=r
+    )
