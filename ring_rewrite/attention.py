@@ -1,9 +1,11 @@
 """Dilated ring attention of one SDPA site: forward and its explicit backward.
 
-Both functions are plain torch code over a frozen ``SitePlan``; the rewrite pass traces each
-into an FX body (once per plan, shared by the sites that have it) and joins the two with
-``autograd_function_apply``, so the graph handed to the inner compiler shows every gather,
-transfer, block attention call and merge of the site. With
+Both functions run the plan's program (Note [The site program] in ``program.py``), step by
+step, as plain torch code: ``_Forward`` and ``_Backward`` hold what a call has computed and
+have one method per step type. The rewrite pass traces each into an FX body (once per plan,
+shared by the sites that have it) and joins the two with ``autograd_function_apply``, so the
+graph handed to the inner compiler shows every gather, transfer, block attention call and
+merge of the site. With
 one rank every branch is local and no transfer appears: the single-device case is the ring's
 degenerate case, not a second code path.
 
@@ -188,9 +190,9 @@ from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
 from .ops import BAND_OPEN, RELATIONS, stat_dtype
-from .p2p import DKV, KV, KV_BACK, Ring, Rotater, global_ranks
+from .p2p import DKV, Ring, Rotater, global_ranks
 from .program import Block as ProgramBlock
-from .program import Chunk, Dilate, Gather, Merge, Program, Start, Undilate, Wait, build, chunks
+from .program import Cast, Chunk, Dilate, Gather, Land, Merge, Program, Start, Undilate, Wait, build, chunks
 from .roles import role
 from .schedule import Block, BranchPlan, plan_branch, shard_parts
 
@@ -549,17 +551,18 @@ def _band_args(
     band = [BAND_OPEN if x is None else x for x in block.band]
     args = {"band": band, "qpos": positions(block.q_starts), "kpos": positions(block.k_starts)}
     if block.documents:
-        q0, q1, k0, k1 = block.parts
         band.append([name for name, _ in RELATIONS].index(block.documents))
-        args["qdoc"] = _doc_rows(plan, branch, docs, None, q0, q1, heads)
-        args["kdoc"] = _doc_rows(plan, branch, docs, block.step, k0, k1, heads)
+        args["qdoc"] = _doc_rows(plan, branch, docs, block, False, heads)
+        args["kdoc"] = _doc_rows(plan, branch, docs, block, True, heads)
     return args
 
 
-def _doc_rows(plan, branch, docs, step, p0, p1, heads) -> torch.Tensor:
-    """Document ids of a block's rows, per query head (each head its lattice offset), in the
-    order of the block's rows: this rank's (``step`` None) or those of the K/V held at ``step``;
-    ``docs`` covers the whole (padded) sequence."""
+def _doc_rows(plan, branch, docs, block: ProgramBlock, keys: bool, heads: slice) -> torch.Tensor:
+    """Document ids of a block's query rows (or ``keys``' rows, those of the K/V held at its
+    step), per query head (each head its lattice offset), in the order of the rows; ``docs``
+    covers the whole (padded) sequence."""
+    step = block.step if keys else None
+    p0, p1 = block.parts[2:] if keys else block.parts[:2]
     layout = branch.layout
     if plan.world > 1:
         rank = plan.rank if step is None else branch.ring[(branch.position - step) % len(branch.ring)]
@@ -630,9 +633,12 @@ class _Inputs:
     dout: torch.Tensor | None = None
 
     @classmethod
-    def take(cls, plan: SitePlan, q, k, v, mask, docs, dout=None) -> _Inputs:
+    def take(cls, plan: SitePlan, qkv: tuple, mask, docs, dout=None) -> _Inputs:
+        """``qkv`` (q, k, v), ``mask``, ``docs`` and the backward's ``dout``, as the site's
+        blocks read them."""
+        q = qkv[0]
         with role("shard"):
-            padded = _padded(plan, q, k, v, *([] if dout is None else [dout]))
+            padded = _padded(plan, *qkv, *([] if dout is None else [dout]))
             mask_padded = _padded_keys(plan, q, mask)
             local = [_local(plan, x) for x in padded]
             mask_local = None if mask_padded is None else _local(plan, mask_padded)
@@ -808,7 +814,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout. Runs the
     plan's forward program (Note [The site program] in ``program.py``)."""
     rotater = Rotater(plan.group_name, token)
-    run = _Forward(plan, rotater, _Inputs.take(plan, q, k, v, mask, docs), seed)
+    run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs), seed)
     for step in plan.forward_program.steps:
         run.run(step)
     out = run.gathered if plan.replicated else run.out
@@ -819,133 +825,6 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
 
 
 # ---- backward ------------------------------------------------------------------------------
-
-
-def _ring_backward(
-    plan, ring, i, branch, dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias, seed,
-    docs,
-):  # fmt: skip
-    """dq and, back at their owner, dk and dv of one ring branch (all dilated, ``stat_dtype``), one
-    head chunk after another.
-
-    NOTE: a chunk's dK/dV make their last hop home while the next chunk's first step computes
-    (``last_hop``); the last chunk's last hop is the caller's to wait for (``_ring_dkv``), after
-    compute it overlaps (Note [Overlap across branches]). Returns ``(dq, dkv_chunks, last_hop)``:
-    ``dkv_chunks`` the dk and dv of every chunk but the last, at their owner.
-    """
-    dqs, dkv_chunks = [], []
-    last_hop = None  # the previous chunk's dK/dV on their way home (_dkv_at_owner)
-    for c, (qh, kh) in enumerate(chunks(plan, branch)):
-        heads = (qh.stop - qh.start, kh.stop - kh.start)
-        dq, prev_dkv, last_hop = _ring_backward_chunk(
-            plan, ring, i, c, branch, heads, dout_dilated[:, qh], q_dilated[:, qh], k_dilated[:, kh],
-            v_dilated[:, kh], out_dilated[:, qh], lse_dilated[:, qh], None if bias is None else bias[:, qh],
-            seed, last_hop, docs, qh,
-        )  # fmt: skip
-        dqs.append(dq)
-        if prev_dkv is not None:
-            dkv_chunks.append(prev_dkv)
-    return _cat_heads(dqs), dkv_chunks, last_hop
-
-
-def _ring_dkv(plan, ring, i, branch, dkv_chunks, last_hop, after) -> list[torch.Tensor]:
-    """dk and dv of a ring branch once its last chunk's accumulators are home, waited for after
-    ``after``."""
-    dkv_chunks = [*dkv_chunks, _dkv_at_owner(plan, ring, i, branch, last_hop, after)]
-    return [_cat_heads(list(g)) for g in zip(*dkv_chunks)]
-
-
-def _dkv_at_owner(plan, ring, i, branch, last_hop, after):
-    """A chunk's dk and dv at their owner: what its own K/V gave at step 0, which stayed home,
-    plus the accumulator of every other rank's share, arriving on its last hop. ``last_hop`` is
-    ``(the accumulator's last hop in flight, the step-0 share)``."""
-    flight, own_share = last_hop
-    with role("p2p", branch=i, step=len(branch.ring) - 1):
-        got = ring.wait(flight, after)
-    with role("merge", branch=i):
-        rows = branch.layout.nseg * branch.layout.m
-        return [_add_rows(plan, a, b, 0, rows) for a, b in zip(got, own_share)]
-
-
-def _ring_backward_chunk(
-    plan, ring, i, c, branch, heads, dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias,
-    seed, prev_hop, docs, qh,
-):  # fmt: skip
-    """dq of one head chunk of a ring branch, the dk and dv of the previous chunk (whose last hop,
-    ``prev_hop``, arrived during this chunk's first step; None for the first chunk), and this
-    chunk's dk and dv still on their last hop home: ``(dq, prev_dkv, last_hop)``
-    (``_dkv_at_owner``).
-
-    NOTE: dK/dV travel one step behind K/V, from the first rank that holds them on: the step-0
-    share of a rank's own K/V stays home, so an accumulator makes ``G - 1`` hops (the last one
-    home), not ``G`` (ring-flash-attention and torch's ring start it at the owner).
-    """
-    layout = branch.layout
-    hkv = heads[1]
-    rows = layout.nseg * layout.m
-    kv = [k_dilated, v_dilated] if bias is None else [k_dilated, v_dilated, bias]
-    own_share = None  # dK/dV of this rank's own K/V from step 0: they never leave
-    dkv = None  # the dK/dV accumulators of the K/V held now, once they are here
-    dkv_flight = None  # the accumulators on their way to the next rank
-    prev_dkv = None
-    dq = None
-    last = len(branch.ring) - 1
-    for step, blocks in enumerate(branch.steps):
-        if step < last:
-            with role("p2p", branch=i, step=step):
-                kv_flight = ring.start(kv, KV_BACK, step, c)
-        computed = []
-        shares = []  # (first key row, dk, dv) of each block
-        step_kv, step_bias = _kv_and_bias(kv)
-        for j, blk in enumerate(blocks):
-            block = plan.backward_program.block(i, c, step, j)
-            if block.kind == "skip":
-                continue
-            band = _band_args(plan, branch, block, q_dilated, docs, qh)
-            with role("attention_backward", branch=i, step=step):
-                dq_block, dk_block, dv_block = torch.ops.ring_rewrite.block_attention_backward(
-                    *(_rows(x, layout, blk.q0, blk.q1) for x in (dout_dilated, q_dilated)),
-                    *_kv_rows(plan, layout, step_kv, blk),
-                    *(_rows(x, layout, blk.q0, blk.q1) for x in (out_dilated, lse_dilated)),
-                    None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
-                    plan.scale,
-                    blk.causal,
-                    *_drop(plan, seed, i, c, step, j),
-                    **band,
-                    **_own_bias(plan, bias, layout, blk),
-                )
-            computed += [dq_block, dk_block, dv_block]
-            shares.append((blk.k0 * layout.m, dk_block, dv_block))
-            with role("merge", branch=i, step=step):
-                dq = _add_rows(plan, dq, dq_block, blk.q0 * layout.m, rows)
-        if prev_hop is not None:
-            prev_dkv = _dkv_at_owner(plan, ring, i, branch, prev_hop, computed)
-            prev_hop = None
-        if step > 1:
-            # The accumulators sent last step (they moved during this step's compute) belong to
-            # the K/V held now.
-            with role("p2p", branch=i, step=step):
-                dkv = ring.wait(dkv_flight, computed)
-        with role("merge", branch=i, step=step):
-            step_dkv = None if step == 0 else dkv
-            if step_dkv is None and not shares and step <= 1:
-                # Step 0 keeps a share of its own, step 1 starts the accumulators: touched or not.
-                shape = (layout.batch, hkv, rows)
-                step_dkv = [k_dilated.new_zeros((*shape, ch), dtype=plan.stat_dtype) for ch in (plan.d, plan.dv)]
-            for start, dk_block, dv_block in shares:
-                sums = step_dkv or (None, None)
-                step_dkv = [_add_rows(plan, a, x, start, rows) for a, x in zip(sums, (dk_block, dv_block))]
-            if step == 0:
-                own_share = step_dkv
-            else:
-                dkv = step_dkv
-        if step > 0:
-            with role("p2p", branch=i, step=step):
-                dkv_flight = ring.start(dkv, DKV, step, c)
-        if step < last:
-            with role("p2p", branch=i, step=step):
-                kv = ring.wait(kv_flight, computed)
-    return dq, prev_dkv, (dkv_flight, own_share)
 
 
 def _add_rows(plan: SitePlan, total, x: torch.Tensor, start: int, rows: int) -> torch.Tensor:
@@ -963,180 +842,329 @@ def _after(x: torch.Tensor, *totals) -> torch.Tensor:
         return torch.ops.ring_rewrite.after(x, deps)
 
 
-def _add_rings_dq(plan: SitePlan, dq, rings: list, qh: slice, start: int = 0):
-    """``dq`` (None: a new one; its heads ``qh`` from ``start`` on) plus query heads ``qh`` of
-    the rings' dilated dq, ``rings`` as ``(branch index, layout, dq)``."""
-    whole = qh == slice(0, plan.hq)
-    for i, layout, dq_dilated in rings:
-        with role("undilate", branch=i):
-            if not whole:  # kernel heads of whole kv heads are those of the same query heads
-                layout, dq_dilated = layout.heads(qh.start, qh.stop), dq_dilated[:, qh]
-            dq = _undilate_add(plan, dq, dq_dilated, layout, rows=True, start=start)
-    return dq
+@dataclasses.dataclass
+class _RingChunk:
+    """One head chunk of a ring branch in the backward: its dilated rows (dout, q, k, v, out,
+    lse, key bias), the K/V held now, and its sums: dq, the dK/dV share of this rank's own K/V
+    (which never leaves, ``own``), the accumulators held (``dkv``) and, home, ``landed``."""
+
+    rows: list
+    kv: list
+    dq: torch.Tensor | None = None
+    own: list | None = None
+    dkv: list | None = None
+    landed: list | None = None
 
 
-def _local_backward(
-    plan: SitePlan, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings
-):  # fmt: skip
-    """dq, dk, dv summed over the local branches and the rings' dilated dq (``_add_rings_dq``),
-    one head chunk after another (Note [Head chunks of local branches]), and the buffers whose
-    compute the rings' last dK/dV hops wait for."""
-    if plan.local_in_place:
-        return _local_in_place_backward(plan, dout_local, q_local, k_local, v_local, out, lse, rings)
-    heads = plan.local_chunks()
-    if len(heads) == 1:
-        return _local_chunk(
-            plan, 0, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings, ()
-        )
-    # A chunk's sums are final in the input dtype (rounded once), but for dK/dV to which the
-    # rings' last hops still add (in stat_dtype).
-    kv_dtype = plan.stat_dtype if any(not b.is_local for b in plan.branches) else plan.dtype
-    with role("merge"):
-        totals = [
-            q_local.new_empty((plan.batch, plan.hq, plan.n_local, plan.d)),
-            k_local.new_empty((plan.batch, plan.hkv, plan.n_local, plan.d), dtype=kv_dtype),
-            v_local.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
-        ]
-    # Sums in the input dtype add up in the totals, a chunk's heads in place; wider ones are a
-    # chunk's own, cast once into the totals.
-    into = totals if plan.dtype == plan.stat_dtype else None
-    for c, (qh, kh) in enumerate(heads):
-        *sums, _ = _local_chunk(
-            plan, c, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs, rings,
-            totals if c else (), into,
-        )  # fmt: skip
-        if into is not None:
-            continue
-        with role("merge"):
-            for total, x, heads in zip(totals, sums, (qh, kh, kh)):
-                torch.ops.ring_rewrite.write_heads(total, x.to(total.dtype), heads.start)
-    return (*totals, totals)
+@dataclasses.dataclass
+class _LocalChunk:
+    """One head chunk of the local branches' backward (Note [Head chunks of local branches]):
+    its heads, where its sums start in the site's, and the sums so far (``sums``; the site's
+    own where it sums in place); ``branch``: the current local branch's dilated rows."""
+
+    index: int
+    qh: slice
+    kh: slice
+    sums: list
+    starts: tuple[int, int]
+    zero: bool | None
+    branch: tuple = ()
 
 
-def _local_in_place_backward(plan: SitePlan, dout_local, q_local, k_local, v_local, out, lse, rings):
-    """``_local_backward`` where every local branch reads its rows in place and adds its
-    gradients into the site's (Note [Local branches in place])."""
-    local = [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
-    write = local[0][1].layout.r == 1  # it writes every position (no padding here)
-    with role("merge"):
-        new = torch.empty_like if write else torch.zeros_like
-        totals = [new(x, memory_format=torch.contiguous_format) for x in (q_local, k_local, v_local)]
-    for j, (i, branch) in enumerate(local):
-        with role("attention_backward", branch=i):
-            torch.ops.ring_rewrite.dilated_block_backward(
-                *totals, dout_local, q_local, k_local, v_local, out, lse, _fields(branch.layout), plan.scale,
-                plan.is_causal, write and j == 0,
-            )  # fmt: skip
-    dq = _add_rings_dq(plan, totals[0], rings, slice(0, plan.hq))
-    return dq, totals[1], totals[2], totals
+@dataclasses.dataclass
+class _Backward:
+    """A backward call running its program (Note [The site program] in ``program.py``)."""
 
+    plan: SitePlan
+    rotater: Rotater
+    inputs: _Inputs
+    out: torch.Tensor
+    lse: torch.Tensor
+    seed: torch.Tensor | None
+    rows: dict = dataclasses.field(default_factory=dict)
+    rings: dict = dataclasses.field(default_factory=dict)
+    chunks: dict = dataclasses.field(default_factory=dict)
+    """Per ring head chunk ``(branch, chunk)``: its ``_RingChunk``."""
+    flights: dict = dataclasses.field(default_factory=dict)
+    computed: dict = dataclasses.field(default_factory=dict)
+    """Per ``(branch, chunk, step)`` what its blocks computed, and (None) what the local
+    branches did: transfers wait for them."""
+    shares: dict = dataclasses.field(default_factory=dict)
+    rings_dq: list = dataclasses.field(default_factory=list)
+    """Each ring's dilated dq, ``(branch, dq)``, added where the local branches' are."""
+    local: _LocalChunk | None = None
+    totals: list | None = None
+    """The site's dq, dk, dv where the local branches write them in place or in head chunks."""
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    grads: list = dataclasses.field(default_factory=list)
 
-def _local_chunk(
-    plan: SitePlan, c: int, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs,
-    rings, before, into=None,
-):  # fmt: skip
-    """dq, dk, dv of head chunk ``c`` (``SitePlan.local_chunks``) summed over the local branches
-    and the ``rings``' dq (``_add_rings_dq``), and the blocks' gradients; the blocks run once
-    ``before`` (the previous chunk's sums) are computed. With ``into`` (the site's dq, dk, dv)
-    the sums are those heads of them, written in place."""
-    qh, kh = plan.local_chunks()[c]
-    whole = qh == slice(0, plan.hq)
+    def run(self, step) -> None:
+        getattr(self, type(step).__name__.lower())(step)
 
-    def heads(x, h):
-        return x if whole else x[:, h]
-
-    dq, dk, dv = into if into is not None else (None, None, None)
-    starts = (qh.start, kh.start) if into is not None else (0, 0)
-    zero = True if into is not None else None  # the first branch writes its heads of ``into``
-    computed = []
-    for i, branch in enumerate(plan.branches):
-        if not branch.is_local:
-            continue
-        layout = branch.layout if whole else branch.layout.heads(qh.start, qh.stop)
-        chunk = branch if whole else dataclasses.replace(branch, layout=layout)
-        q_heads = heads(q_local, qh)
-        mask = None if mask_local is None else heads(mask_local.expand(-1, plan.hq, -1), qh)  # (B|1, Hq|1, N)
+    def dilate(self, step: Dilate) -> None:
+        plan, i, x = self.plan, step.branch, self.inputs
+        branch = plan.branches[i]
+        if branch.is_local:
+            return self._dilate_local(step)
+        layout = branch.layout
         with role("dilate", branch=i):
-            q_dilated, dout_dilated, out_dilated = _dilated(
-                plan, layout, q_heads, heads(dout_local, qh), heads(out, qh)
+            q, dout, out = _dilated(plan, layout, x.q, x.dout, self.out, rows=True)
+            k, v = _dilated(plan, layout, x.k, x.v, kv=True, rows=True)
+            (lse,) = _dilated(plan, layout, self.lse.unsqueeze(-1), rows=True, fill=float("inf"), dtype=plan.stat_dtype)
+            lse = lse.squeeze(-1)
+            bias = _branch_bias(plan, branch, x.q, x.mask)
+        self.rows[i] = (dout, q, k, v, out, lse, bias)
+        self.rings[i] = _ring(self.rotater, i, branch)
+
+    def chunk(self, step: Chunk) -> None:
+        qh, kh = step.slices
+        dout, q, k, v, out, lse, bias = self.rows[step.branch]
+        rows = [dout[:, qh], q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], None if bias is None else bias[:, qh]]
+        self.chunks[(step.branch, step.chunk)] = _RingChunk(rows, rows[2:4] + ([] if bias is None else rows[6:]))
+
+    def start(self, step: Start) -> None:
+        tag = step.tag
+        chunk = self.chunks[(tag.branch, tag.chunk)]
+        with role("p2p", branch=tag.branch, step=tag.step):
+            sent = chunk.dkv if tag.kind == DKV else chunk.kv
+            self.flights[tag] = self.rings[tag.branch].start(sent, tag.kind, tag.step, tag.chunk)
+
+    def wait(self, step: Wait) -> None:
+        tag, after = step.tag, step.after
+        chunk = self.chunks[(tag.branch, tag.chunk)]
+        last = tag.step == len(self.plan.branches[tag.branch].ring) - 1
+        # A transfer is named by the step it waits at; a last hop home by its own.
+        at = tag.step if after is None or (tag.kind == DKV and last) else after[2]
+        with role("p2p", branch=tag.branch, step=at):
+            got = self.rings[tag.branch].wait(self.flights.pop(tag), self.computed.get(after, []))
+        if tag.kind != DKV:
+            chunk.kv = got
+        elif last:
+            chunk.landed = got
+        else:
+            chunk.dkv = got
+
+    def land(self, step: Land) -> None:
+        chunk = self.chunks[(step.branch, step.chunk)]
+        layout = self.plan.branches[step.branch].layout
+        with role("merge", branch=step.branch):
+            rows = layout.nseg * layout.m
+            chunk.landed = [_add_rows(self.plan, a, b, 0, rows) for a, b in zip(chunk.landed, chunk.own)]
+
+    def block(self, step: ProgramBlock) -> None:
+        if step.kind == "skip":
+            return
+        if step.in_place:
+            self._in_place(step)
+        elif step.step is None:
+            self._local(step)
+        else:
+            self._ring_block(step)
+
+    def _ring_block(self, blk: ProgramBlock) -> None:
+        plan, i = self.plan, blk.branch
+        layout = plan.branches[i].layout
+        chunk = self.chunks[(i, blk.chunk)]
+        dout, q, _, _, out, lse, bias = chunk.rows
+        step_kv, step_bias = _kv_and_bias(chunk.kv)
+        qh = chunks(plan, plan.branches[i])[blk.chunk][0]
+        band = _band_args(plan, plan.branches[i], blk, q, self.inputs.docs, qh)
+        with role("attention_backward", branch=i, step=blk.step):
+            dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
+                *(_rows(x, layout, blk.q0, blk.q1) for x in (dout, q)),
+                *_kv_rows(plan, layout, step_kv, blk),
+                *(_rows(x, layout, blk.q0, blk.q1) for x in (out, lse)),
+                None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
+                plan.scale,
+                blk.causal,
+                *_drop(plan, self.seed, i, blk.chunk, blk.step, blk.index),
+                **band,
+                **_own_bias(plan, bias, layout, blk),
             )
-            k_dilated, v_dilated = _dilated(plan, layout, heads(k_local, kh), heads(v_local, kh), kv=True)
-            (lse_dilated,) = _dilated(
-                plan, layout, heads(lse, qh).unsqueeze(-1), fill=float("inf"), dtype=plan.stat_dtype
-            )
-            lse_dilated = lse_dilated.squeeze(-1)
-            bias = _branch_bias(plan, chunk, q_heads, mask)
-        lse_dilated = _after(lse_dilated, *before)
-        with role("attention_backward", branch=i):
-            band = _band_args(plan, chunk, plan.backward_program.block(i, c, None, 0), q_dilated, docs)
-            dq_dilated, dk_dilated, dv_dilated = torch.ops.ring_rewrite.block_attention_backward(
-                dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias, plan.scale,
-                plan.is_causal, *_drop(plan, seed, i), **band, **_own_bias(plan, bias),
+        self.computed.setdefault((i, blk.chunk, blk.step), []).extend([dq, dk, dv])
+        self.shares.setdefault((i, blk.chunk, blk.step), []).append((blk.k0 * layout.m, dk, dv))
+        with role("merge", branch=i, step=blk.step):
+            chunk.dq = _add_rows(plan, chunk.dq, dq, blk.q0 * layout.m, layout.nseg * layout.m)
+
+    def merge(self, step: Merge) -> None:
+        if step.branch is None:
+            return self._write_chunk(step)
+        plan, i = self.plan, step.branch
+        if step.step is None:  # a ring's dq: its head chunks side by side
+            dqs = [self.chunks[(i, c)].dq for c in range(plan.head_chunks(plan.branches[i]))]
+            self.rings_dq.append((i, _cat_heads(dqs)))
+            return
+        self._sum_step(i, step.chunk, step.step)
+
+    def _sum_step(self, i: int, c: int, step: int) -> None:
+        """A ring step's share of dK/dV added to the accumulators that arrived (Note [Gradient
+        sums of a ring step]); step 0's is this rank's own share, which stays home."""
+        plan, chunk = self.plan, self.chunks[(i, c)]
+        layout = plan.branches[i].layout
+        rows = layout.nseg * layout.m
+        shares = self.shares.pop((i, c, step), [])
+        with role("merge", branch=i, step=step):
+            sums = None if step == 0 else chunk.dkv
+            if sums is None and not shares and step <= 1:
+                # Step 0 keeps a share of its own, step 1 starts the accumulators: touched or not.
+                kh = chunks(plan, plan.branches[i])[c][1]
+                shape = (layout.batch, kh.stop - kh.start, rows)
+                sums = [chunk.rows[2].new_zeros((*shape, ch), dtype=plan.stat_dtype) for ch in (plan.d, plan.dv)]
+            for start, dk, dv in shares:
+                sums = [_add_rows(plan, a, x, start, rows) for a, x in zip(sums or (None, None), (dk, dv))]
+        if step == 0:
+            chunk.own = sums
+        else:
+            chunk.dkv = sums
+
+    def _in_place(self, blk: ProgramBlock) -> None:
+        """A local branch read where it lies, its gradients added into the site's (Note [Local
+        branches in place]); the first allocates them and, at rate 1, writes them."""
+        plan, x = self.plan, self.inputs
+        write = next(b for b in plan.branches if b.is_local).layout.r == 1  # it writes every position
+        first = self.totals is None
+        if first:
+            with role("merge"):
+                new = torch.empty_like if write else torch.zeros_like
+                self.totals = [new(t, memory_format=torch.contiguous_format) for t in (x.q, x.k, x.v)]
+            self.dq, self.dk, self.dv = self.totals
+            self.computed[None] = self.totals
+        with role("attention_backward", branch=blk.branch):
+            torch.ops.ring_rewrite.dilated_block_backward(
+                *self.totals, x.dout, x.q, x.k, x.v, self.out, self.lse, _fields(plan.branches[blk.branch].layout),
+                plan.scale, plan.is_causal, write and first,
             )  # fmt: skip
-        computed += [dq_dilated, dk_dilated, dv_dilated]
+
+    def _begin_local_chunk(self, c: int) -> None:
+        """Head chunk ``c`` of the local branches: with several, the site's gradients exist from
+        the first on, and a chunk's sums are those heads of them where they are as wide."""
+        plan, x = self.plan, self.inputs
+        heads = plan.local_chunks()
+        qh, kh = heads[c]
+        if len(heads) > 1 and self.totals is None:
+            # A chunk's sums are final in the input dtype (rounded once), but for dK/dV to which
+            # the rings' last hops still add (in stat_dtype).
+            kv_dtype = plan.stat_dtype if any(not b.is_local for b in plan.branches) else plan.dtype
+            with role("merge"):
+                self.totals = [
+                    x.q.new_empty((plan.batch, plan.hq, plan.n_local, plan.d)),
+                    x.k.new_empty((plan.batch, plan.hkv, plan.n_local, plan.d), dtype=kv_dtype),
+                    x.v.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
+                ]
+        into = self.totals is not None and plan.dtype == plan.stat_dtype
+        sums = list(self.totals) if into else [None, None, None]
+        starts = (qh.start, kh.start) if into else (0, 0)
+        self.local = _LocalChunk(c, qh, kh, sums, starts, True if into else None)
+        self.computed[None] = []
+
+    def _dilate_local(self, step: Dilate) -> None:
+        if self.local is None or step.chunk != self.local.index:
+            self._begin_local_chunk(step.chunk)
+        plan, x, lc, i = self.plan, self.inputs, self.local, step.branch
+        whole = lc.qh == slice(0, plan.hq)
+        heads = (lambda t, h: t) if whole else (lambda t, h: t[:, h])
+        branch = plan.branches[i]
+        layout = branch.layout if whole else branch.layout.heads(lc.qh.start, lc.qh.stop)
+        chunk = branch if whole else dataclasses.replace(branch, layout=layout)
+        q_heads = heads(x.q, lc.qh)
+        mask = None if x.mask is None else heads(x.mask.expand(-1, plan.hq, -1), lc.qh)  # (B|1, Hq|1, N)
+        with role("dilate", branch=i):
+            q, dout, out = _dilated(plan, layout, q_heads, heads(x.dout, lc.qh), heads(self.out, lc.qh))
+            k, v = _dilated(plan, layout, heads(x.k, lc.kh), heads(x.v, lc.kh), kv=True)
+            (lse,) = _dilated(plan, layout, heads(self.lse, lc.qh).unsqueeze(-1), fill=float("inf"), dtype=plan.stat_dtype)
+            lse = lse.squeeze(-1)
+            bias = _branch_bias(plan, chunk, q_heads, mask)
+        before = self.totals if step.chunk and len(plan.local_chunks()) > 1 else ()
+        lse = _after(lse, *before)
+        lc.branch = (chunk, layout, dout, q, k, v, out, lse, bias)
+
+    def _local(self, blk: ProgramBlock) -> None:
+        plan, i = self.plan, blk.branch
+        chunk, layout, dout, q, k, v, out, lse, bias = self.local.branch
+        with role("attention_backward", branch=i):
+            band = _band_args(plan, chunk, blk, q, self.inputs.docs)
+            dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
+                dout, q, k, v, out, lse, bias, plan.scale, plan.is_causal, *_drop(plan, self.seed, i), **band,
+                **_own_bias(plan, bias),
+            )  # fmt: skip
+        self.computed[None] += [dq, dk, dv]
+        self.local.branch = (layout, dq, dk, dv)
+
+    def undilate(self, step: Undilate) -> None:
+        plan, i = self.plan, step.branch
+        branch = plan.branches[i]
+        if branch.is_local:
+            return self._undilate_local(step)
+        if step.tensors == ("dq",):
+            return self._add_ring_dq(i)
+        landed = [self.chunks[(i, c)].landed for c in range(plan.head_chunks(branch))]
+        dk, dv = [_cat_heads(list(g)) for g in zip(*landed)]
         with role("undilate", branch=i):
-            dq = _undilate_add(plan, dq, dq_dilated, layout, start=starts[0], zero=zero)
-            dk = _undilate_add(plan, dk, dk_dilated, layout, kv=True, start=starts[1], zero=zero)
-            dv = _undilate_add(plan, dv, dv_dilated, layout, kv=True, start=starts[1], zero=zero)
-        zero = None
-    return _add_rings_dq(plan, dq, rings, qh, starts[0]), dk, dv, computed
+            self.dk = _undilate_add(plan, self.dk, dk, branch.layout, kv=True, rows=True)
+            self.dv = _undilate_add(plan, self.dv, dv, branch.layout, kv=True, rows=True)
+
+    def _undilate_local(self, step: Undilate) -> None:
+        plan, lc, i = self.plan, self.local, step.branch
+        layout, dq, dk, dv = lc.branch
+        with role("undilate", branch=i):
+            lc.sums[0] = _undilate_add(plan, lc.sums[0], dq, layout, start=lc.starts[0], zero=lc.zero)
+            lc.sums[1] = _undilate_add(plan, lc.sums[1], dk, layout, kv=True, start=lc.starts[1], zero=lc.zero)
+            lc.sums[2] = _undilate_add(plan, lc.sums[2], dv, layout, kv=True, start=lc.starts[1], zero=lc.zero)
+        lc.zero = None
+        if len(plan.local_chunks()) == 1:
+            self.dq, self.dk, self.dv = lc.sums
+
+    def _add_ring_dq(self, i: int) -> None:
+        """Ring ``i``'s dq (of the local chunk's query heads) added into the sums (Note [Head
+        chunks of local branches])."""
+        plan = self.plan
+        (dq,) = [dq for branch, dq in self.rings_dq if branch == i]
+        qh, start = (self.local.qh, self.local.starts[0]) if self.local else (slice(0, plan.hq), 0)
+        layout = plan.branches[i].layout
+        with role("undilate", branch=i):
+            if qh != slice(0, plan.hq):  # kernel heads of whole kv heads are those of the same query heads
+                layout, dq = layout.heads(qh.start, qh.stop), dq[:, qh]
+            if self.local is not None and len(plan.local_chunks()) > 1:
+                self.local.sums[0] = _undilate_add(plan, self.local.sums[0], dq, layout, rows=True, start=start)
+            elif self.local is not None:
+                self.local.sums[0] = self.dq = _undilate_add(plan, self.local.sums[0], dq, layout, rows=True, start=start)
+            else:
+                self.dq = _undilate_add(plan, self.dq, dq, layout, rows=True, start=start)
+
+    def _write_chunk(self, step: Merge) -> None:
+        """A local head chunk's sums into the site's gradients (nothing to do where it summed
+        into them in place); once the last is done, the totals are the site's."""
+        plan, lc = self.plan, self.local
+        if plan.dtype != plan.stat_dtype:
+            with role("merge"):
+                for total, x, heads in zip(self.totals, lc.sums, (lc.qh, lc.kh, lc.kh)):
+                    torch.ops.ring_rewrite.write_heads(total, x.to(total.dtype), heads.start)
+        self.dq, self.dk, self.dv = self.totals
+        self.computed[None] = self.totals
+
+    def cast(self, step: Cast) -> None:
+        with role("undilate"):
+            self.grads = [self.dq.to(self.plan.dtype), self.dk.to(self.plan.dtype), self.dv.to(self.plan.dtype)]
+
+    def gather(self, step: Gather) -> None:
+        with role("shard"):
+            j = step.index - 1
+            self.grads[j] = _unpadded(self.plan, _gather(self.plan, self.rotater, self.grads[j], step.index))
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
-    token and the seed)."""
+    token and the seed): the plan's backward program run (Note [The site program] in
+    ``program.py``)."""
     with role("p2p"):
         rotater = Rotater(plan.group_name, token)
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
-    with role("shard"):
-        padded = _padded(plan, q, k, v, dout)
-        mask_padded = _padded_keys(plan, q, mask)
-        q_local, k_local, v_local, dout_local = (_local(plan, x) for x in padded)
-        mask_local = None if mask_padded is None else _local(plan, mask_padded)
-        docs_padded = None if docs is None else _padded(plan, docs)[0]
-    dk = dv = None
-    rings = []  # each ring branch's dilated dq, added where the local branches' are
-    pending_dkv = {}  # ring branches whose last dK/dV are on their way home
-    # Ring branches first: their last hops travel while the local branches compute.
-    for i, branch in enumerate(plan.branches):
-        if branch.is_local:
-            continue
-        layout = branch.layout
-        with role("dilate", branch=i):
-            q_dilated, dout_dilated, out_dilated = _dilated(plan, layout, q_local, dout_local, out, rows=True)
-            k_dilated, v_dilated = _dilated(plan, layout, k_local, v_local, kv=True, rows=True)
-            (lse_dilated,) = _dilated(
-                plan, layout, lse.unsqueeze(-1), rows=True, fill=float("inf"), dtype=plan.stat_dtype
-            )
-            lse_dilated = lse_dilated.squeeze(-1)
-            bias = _branch_bias(plan, branch, q_local, mask_local)
-        ring = _ring(rotater, i, branch)
-        dq_dilated, dkv_chunks, last_hop = _ring_backward(
-            plan, ring, i, branch, dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, bias,
-            seed, docs_padded,
-        )  # fmt: skip
-        pending_dkv[i] = (ring, dkv_chunks, last_hop)
-        rings.append((i, layout, dq_dilated))
-    computed = []  # what the local branches computed, after which the rings' last hops are waited for
-    if any(branch.is_local for branch in plan.branches):
-        dq, dk, dv, computed = _local_backward(
-            plan, dout_local, q_local, k_local, v_local, out, lse, mask_local, seed, docs_padded, rings
-        )
-    else:
-        dq = _add_rings_dq(plan, None, rings, slice(0, plan.hq))
-    for i, (ring, dkv_chunks, last_hop) in pending_dkv.items():
-        branch = plan.branches[i]
-        dk_dilated, dv_dilated = _ring_dkv(plan, ring, i, branch, dkv_chunks, last_hop, computed)
-        with role("undilate", branch=i):
-            dk = _undilate_add(plan, dk, dk_dilated, branch.layout, kv=True, rows=True)
-            dv = _undilate_add(plan, dv, dv_dilated, branch.layout, kv=True, rows=True)
-    with role("undilate"):
-        grads = [dq.to(plan.dtype), dk.to(plan.dtype), dv.to(plan.dtype)]
-    if plan.replicated:
-        with role("shard"):
-            for j, g in enumerate(grads):
-                grads[j] = _unpadded(plan, _gather(plan, rotater, g, 1 + j))
+    run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout), out, lse, seed)
+    for step in plan.backward_program.steps:
+        run.run(step)
     with role("p2p"):
-        rotater.close(grads)
-    return (*grads, *(None for x in (mask, docs, token, seed) if x is not None))
+        rotater.close(run.grads)
+    return (*run.grads, *(None for x in (mask, docs, token, seed) if x is not None))

@@ -191,7 +191,7 @@ def _branch_outs(plan: SitePlan, branch) -> int:
 def _branch_grads(plan: SitePlan, branch) -> int:
     """What a branch's backward leaves for the sum: its dilated dq, dk, dv; a ring's dK/dV are
     home but for its last head chunk's, whose last hop is in flight until the local branches
-    are done (``_dkv_at_owner``): that chunk's share kept home, the accumulator sent and the one
+    are done (``Land`` in the backward program): that chunk's share kept home, the accumulator sent and the one
     arriving (``ring_shift_start`` allocates it)."""
     _, compute, stat = _itemsizes(plan)
     q_rows, kv_rows = _dilated_rows(plan, branch)

@@ -222,3 +222,21 @@ def test_no_comment_or_docstring_carries_a_date_or_a_commit():
                     at = line + text.count("\n", 0, match.start())
                     found.append(f"{path.relative_to(ROOT)}:{at}: {match.group()}")
     assert not found, "say what the code does and why (history is in git log):\n" + "\n".join(found)
+
+
+def test_the_sites_functions_fit_in_a_head():
+    """``ring_rewrite/attention.py``: no function over 40 lines or 6 positional parameters; what
+    a site call's steps share lives in ``_Forward`` / ``_Backward`` (Note [The site program]).
+    The entry points take the inputs of the site's traced body, ``SitePlan.build`` the plan's
+    fields (keyword-only)."""
+    entry = {"site_forward", "site_backward"}
+    tree = ast.parse((ROOT / "ring_rewrite" / "attention.py").read_text())
+    long = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.name in entry:
+            continue
+        positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+        lines = node.end_lineno - node.lineno + 1
+        if lines > 40 or len(positional) > 6:
+            long.append(f"{node.name}: {lines} lines, {len(positional)} positional parameters")
+    assert not long, long
