@@ -217,14 +217,15 @@ def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, s
     distance = t - p
     if structure.positions is not None:
         # The padding counts its own positions: a document of its own (below).
-        positions = keys(key_values(structure, structure.positions, *data), i.view(1, size), (b,)).view(b, 1, 1, size)
+        positions = key_values(structure, structure.positions, *data, like=q)
+        positions = keys(positions, i.view(1, size), (b,)).view(b, 1, 1, size)
         distance = positions - positions.transpose(-1, -2)
     if structure.lo is not None:
         allowed = allowed & (distance >= structure.lo)
     if structure.hi is not None:
         allowed = allowed & (distance <= structure.hi)
     if structure.documents is not None:
-        docs = key_values(structure, structure.documents, *data)
+        docs = key_values(structure, structure.documents, *data, like=q)
         if structure.blocks:  # no block after the tokens: ids below 0
             docs = keys(docs, docs.new_full((1, 1), -1), (b,)).view(b, 1, 1, size)
             allowed = allowed & ((t <= p) | ((docs == docs.transpose(-1, -2)) & (docs.transpose(-1, -2) >= 0)))

@@ -969,14 +969,16 @@ def key_mask(
     return bias.expand(*lead, 1, n).reshape(*lead, n)
 
 
-def key_values(structure: MaskStructure, e, *data: torch.Tensor) -> torch.Tensor:
+def key_values(structure: MaskStructure, e, *data: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """An expression over ``(b, t)`` (``structure.documents`` or ``.positions``) evaluated over
-    the keys: ``(B|1, N)``."""
-    index, tensors = _key_index(structure, data)
+    the keys: ``(B|1, N)``, on ``like``'s device. NOTE: traced, the indices are computed from
+    ``like`` (the site's query), so ids of the positions alone (``t // 8``) are graph nodes too,
+    never a constant tensor, which the graph's code cannot spell."""
+    index, tensors = _key_index(structure, data, like)
     b, n = structure.shape[0], structure.shape[3]
     values = _evaluate(e, index, tensors)
     if isinstance(values, (bool, int, float)):
-        values = torch.full((1, 1, 1, n), values, device=data[0].device if data else None)
+        values = torch.full((1, 1, 1, n), values, device=index[_T].device)
     return values.expand(b if _B in _dims(e) else 1, 1, 1, n).reshape(-1, n)
 
 

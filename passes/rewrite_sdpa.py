@@ -396,11 +396,13 @@ def _band(structure: MaskStructure | None) -> tuple[int | None, int | None] | No
     return None if lo is None and hi is None else (lo, hi)
 
 
-def _documents(structure: MaskStructure, *data: torch.Tensor, where: str) -> torch.Tensor:
+def _documents(structure: MaskStructure, q: torch.Tensor, *data: torch.Tensor, where: str) -> torch.Tensor:
     """Each position's document id ``(B|1, 1, N, 1)``, checked against the positions the mask's
     band compares, if it compares tensor values (``ops.documents``)."""
-    docs = key_values(structure, structure.documents, *data)
-    positions = None if structure.positions is None else key_values(structure, structure.positions, *data)
+    docs = key_values(structure, structure.documents, *data, like=q)
+    positions = None
+    if structure.positions is not None:
+        positions = key_values(structure, structure.positions, *data, like=q)
     return _checked_documents(structure, docs, positions, where)
 
 
@@ -489,8 +491,9 @@ def _rewrite_site(
                     )  # fmt: skip
                 else:
                     docs = emit(
-                        tracer, functools.partial(_documents, structure, where=site.location), *structure.data
-                    )
+                        tracer, functools.partial(_documents, structure, where=site.location), site.query,
+                        *structure.data,
+                    )  # fmt: skip
         if structure is None and site.attn_mask is not None:
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):

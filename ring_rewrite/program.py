@@ -2,8 +2,10 @@
 
 Note [The site program]
 ~~~~~~~~~~~~~~~~~~~~~~~
-``SitePlan.forward_program`` and ``SitePlan.backward_program`` list, once per plan, what
-``site_forward`` and ``site_backward`` do on this rank, one typed step at a time, with their sizes:
+``SitePlan.forward_program`` and ``SitePlan.backward_program`` list, once per plan, what a site
+call does on this rank, one typed step at a time, with their sizes; ``site_forward`` and
+``site_backward`` (``attention.py``) run them, a method per step type, so the order of the
+transfers and blocks is written here alone:
 
 * ``Dilate``: a branch's rows put in its kernel layout (gathered, or views of the inputs);
 * ``Start`` / ``Wait``: a ring transfer (its ``Tag``, the tensors sent, their shapes, dtypes
@@ -19,7 +21,8 @@ Note [The site program]
 * ``Gather``: replicated mode's all-gather of an output or a gradient.
 
 What a band or documents mean for a block is decided here (``_block``) and nowhere else: the
-bodies skip the blocks marked ``skip`` and hand a ``partial`` block's positions to its kernel.
+bodies skip the blocks marked ``skip`` and hand a ``partial`` block's positions to its kernel;
+how local branches run (in place, gathered, in head chunks) is which steps the program lists.
 ``print(plan.forward_program)`` shows a program, one line a step. ``tests/test_program.py``
 checks that it lists exactly the transfers, in order, and the block calls that the traced
 bodies issue, on every rank.
