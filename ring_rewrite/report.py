@@ -28,7 +28,8 @@ and backward bodies. Three facts of the generated code set it:
   place (float32 on CPU, Note [Local branches in place] there), they hold nothing but the
   site's dq, dk, dv, which their blocks write and add to (and forward, no dilated copies).
 * Ring branches run first and in order (the token chains their transfers). Local branches need
-  no token and come after them; forward, in an order inductor picks for a low peak
+  no token and come after them (the order is read from the site's program, ``_order``, and a
+  ring's blocks from its steps: Note [The site program] in ``program.py``); forward, in an order inductor picks for a low peak
   (``memory.py``'s ``reorder_for_peak_memory``), counted here as the order that holds least: the
   largest working set first. A branch runs holding the results of those before it. Backward,
   the sums order them as the plan does.
@@ -83,6 +84,7 @@ from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
 from .kernels import DROPOUT_CHUNK
 from .ops import BAND_CHUNK
+from .program import Block
 
 __all__ = [
     "Report", "explain", "attention_flops", "attention_memory_bytes", "branch_bytes_sent", "branch_flops",
@@ -270,12 +272,15 @@ def _ring_chunk(plan: SitePlan, branch, backward: bool) -> int:
     total = (2 if len(branch.ring) > 2 else 1) * message
     if backward:
         total += 3 * kv * stat
-    blocks = [blk for step in branch.steps for blk in step]
+    # Every block of every step, each as many times as it runs in one head chunk (the blocks
+    # that a band skips too: their out would be the same size).
+    chunks = plan.head_chunks(branch)
+    blocks = _counted(plan, "forward").blocks(plan.branches.index(branch))
     part = plan.batch * plan.hq * layout.m  # query rows of one part
     if backward:
         total += 2 * q_rows * d * stat  # the dq sum so far and its next copy (``ops.add_rows``)
     else:
-        total += sum(blk.q1 - blk.q0 for blk in blocks) * part * (dv * compute + stat)
+        total += sum((blk.q1 - blk.q0) * (blk.times // chunks) for blk in blocks) * part * (dv * compute + stat)
     blk = max(blocks, key=lambda b: (b.q1 - b.q0, b.k1 - b.k0))
     lengths = ((blk.q1 - blk.q0) * layout.m, (blk.k1 - blk.k0) * layout.m)
     bq, bk = (blk.q1 - blk.q0) * part, (blk.k1 - blk.k0) * plan.batch * layout.kv_heads * layout.m
@@ -311,11 +316,21 @@ def _local_work(plan: SitePlan, branch, backward: bool) -> int:
     return _copies(plan, branch, backward) + scratch
 
 
+def _order(plan: SitePlan) -> tuple[list, list]:
+    """The ring branches and the local branches in the order the backward program runs them
+    (rings first, their last hops home after the local branches: Note [Overlap across branches]
+    in ``attention.py``)."""
+    program = _counted(plan, "backward")
+    order = [s.branch for s in program.steps if isinstance(s, Block)]
+    branches = [plan.branches[i] for i in dict.fromkeys(order)]
+    return [b for b in branches if not b.is_local], [b for b in branches if b.is_local]
+
+
 def _rings_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
     """The most held while a ring branch runs, with the ``results`` of the rings before it, and
     the results of every ring (Note [Memory of a site])."""
     held, peak = 0, 0
-    for branch in (b for b in plan.branches if not b.is_local):
+    for branch in _order(plan)[0]:
         chunks = plan.head_chunks(branch)
         done = results(plan, branch) * (chunks - 1) // chunks
         work = _copies(plan, branch, backward) + _ring_chunk(plan, branch, backward) // chunks
@@ -336,7 +351,7 @@ def _locals_peak(plan: SitePlan, results, backward: bool) -> tuple[int, int]:
     """The most the local branches hold while one runs, in the order that holds least (the
     largest working set first), and the results of them all."""
     peak, held = 0, 0
-    local = [(_local_work(plan, b, backward), results(plan, b)) for b in plan.branches if b.is_local]
+    local = [(_local_work(plan, b, backward), results(plan, b)) for b in _order(plan)[1]]
     for work, result in sorted(local, reverse=True):
         peak = max(peak, held + result + work)
         held += result
@@ -374,8 +389,7 @@ def _backward_peak(plan: SitePlan) -> int:
     rows, kv_rows = plan.batch * plan.hq * plan.n_local, plan.batch * plan.hkv * plan.n_local
     grads = [rows * plan.d * item, kv_rows * plan.d * item, kv_rows * plan.dv * item]
     sums = [g * stat // item for g in grads]
-    rings = [b for b in plan.branches if not b.is_local]
-    local = [b for b in plan.branches if b.is_local]
+    rings, local = _order(plan)
     peak = held = 0  # held: the rings' gradients, waiting for the local branches
     have = [0, 0, 0]  # the site's dq, dk, dv sums so far
 
