@@ -646,8 +646,27 @@ class _Inputs:
         return cls(padded[0], *local[:3], mask_local, docs_padded, *local[3:])
 
 
+class _Call:
+    """A site call running its program (Note [The site program] in ``program.py``), one step at
+    a time: each step type has its method (``Start`` runs ``start``); a block runs as a local
+    branch in place, a local branch's rows, or a ring's."""
+
+    def run(self, step) -> None:
+        getattr(self, type(step).__name__.lower())(step)
+
+    def block(self, step: ProgramBlock) -> None:
+        if step.kind == "skip":
+            return
+        if step.in_place:
+            self._in_place(step)
+        elif step.step is None:
+            self._local(step)
+        else:
+            self._ring_block(step)
+
+
 @dataclasses.dataclass
-class _Forward:
+class _Forward(_Call):
     """A forward call running its program (Note [The site program] in ``program.py``), one step
     at a time: each step type has its method, and what steps hand on to later ones lives here."""
 
@@ -674,9 +693,6 @@ class _Forward:
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
-
-    def run(self, step) -> None:
-        getattr(self, type(step).__name__.lower())(step)
 
     def dilate(self, step: Dilate) -> None:
         plan, i = self.plan, step.branch
@@ -706,16 +722,6 @@ class _Forward:
         q_heads, kv = q[:, qh], _chunk_kv(k, v, bias, qh, kh)
         self.held[(step.branch, step.chunk)] = (qh, q_heads, _kv_and_bias(kv)[1], kv)
         self.merged[(step.branch, step.chunk)] = {}
-
-    def block(self, step: ProgramBlock) -> None:
-        if step.kind == "skip":
-            return
-        if step.in_place:
-            self._in_place(step)
-        elif step.step is None:
-            self._local(step)
-        else:
-            self._ring_block(step)
 
     def _ring_block(self, blk: ProgramBlock) -> None:
         plan, i, key = self.plan, blk.branch, (blk.branch, blk.chunk)
@@ -872,7 +878,7 @@ class _LocalChunk:
 
 
 @dataclasses.dataclass
-class _Backward:
+class _Backward(_Call):
     """A backward call running its program (Note [The site program] in ``program.py``)."""
 
     plan: SitePlan
@@ -899,9 +905,6 @@ class _Backward:
     dk: torch.Tensor | None = None
     dv: torch.Tensor | None = None
     grads: list = dataclasses.field(default_factory=list)
-
-    def run(self, step) -> None:
-        getattr(self, type(step).__name__.lower())(step)
 
     def dilate(self, step: Dilate) -> None:
         plan, i, x = self.plan, step.branch, self.inputs
@@ -952,16 +955,6 @@ class _Backward:
         with role("merge", branch=step.branch):
             rows = layout.nseg * layout.m
             chunk.landed = [_add_rows(self.plan, a, b, 0, rows) for a, b in zip(chunk.landed, chunk.own)]
-
-    def block(self, step: ProgramBlock) -> None:
-        if step.kind == "skip":
-            return
-        if step.in_place:
-            self._in_place(step)
-        elif step.step is None:
-            self._local(step)
-        else:
-            self._ring_block(step)
 
     def _ring_block(self, blk: ProgramBlock) -> None:
         plan, i = self.plan, blk.branch

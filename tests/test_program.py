@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ring_rewrite import attention, testing
 from ring_rewrite.attention import SitePlan
 from ring_rewrite.p2p import DKV, KV, KV_BACK
-from ring_rewrite.program import Block, Gather, Start, Wait
+from ring_rewrite.program import Block, Start, Wait
 from ring_rewrite.testing import capture_ranks, site_body
 from ring_rewrite.testing.schedule import first_difference, unpaired
 
@@ -57,29 +57,14 @@ def captured(request):
         return capture_ranks(attend, inputs, world=world, fullgraph=True, **config)
 
 
-def _planned(program) -> list[tuple]:
-    """The program's transfers as ``Transfer`` keys and peers."""
-    rows = []
-    for t in program.transfers():
-        if isinstance(t, Start):
-            rows.append(("send_recv", t.tag.encode(), t.shapes, t.dtypes, t.send_to, t.recv_from))
-        else:
-            assert isinstance(t, Gather)
-            rows.append(("all_gather", t.tag.encode(), (t.shape,), (t.dtype,), None, None))
-    return rows
-
-
 def test_the_program_lists_every_transfer_the_graphs_issue_in_order(captured):
     kinds = set()
     for cap in captured:
         (record,) = cap.records
         plan = record.plan
         for graph, program in (("forward", plan.forward_program), ("backward", plan.backward_program)):
-            issued = [
-                (t.kind, t.tag, t.shapes, t.dtypes, t.send_to, t.recv_from)
-                for t in cap.schedule() if t.graph == graph
-            ]  # fmt: skip
-            assert _planned(program) == issued, f"rank {plan.rank} {graph}:\n{program}"
+            issued = [t for t in cap.schedule() if t.graph == graph]
+            assert testing.planned_transfers(plan, graph) == issued, f"rank {plan.rank} {graph}:\n{program}"
             kinds |= {t.tag.kind for t in program.transfers() if isinstance(t, Start)}
             # Every transfer started is waited for once, after it started.
             started = {s.tag: k for k, s in enumerate(program.steps) if isinstance(s, Start)}
