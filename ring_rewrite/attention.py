@@ -667,8 +667,7 @@ class _Call:
 
 @dataclasses.dataclass
 class _Forward(_Call):
-    """A forward call running its program (Note [The site program] in ``program.py``), one step
-    at a time: each step type has its method, and what steps hand on to later ones lives here."""
+    """A forward call: what its steps hand on to later ones (``site_forward`` runs them)."""
 
     plan: SitePlan
     rotater: Rotater
@@ -879,7 +878,7 @@ class _LocalChunk:
 
 @dataclasses.dataclass
 class _Backward(_Call):
-    """A backward call running its program (Note [The site program] in ``program.py``)."""
+    """A backward call: what its steps hand on to later ones (``site_backward`` runs them)."""
 
     plan: SitePlan
     rotater: Rotater

@@ -4,6 +4,8 @@ block call in order, on every rank; and the ranks' programs agree without compil
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,6 @@ from ring_rewrite.attention import SitePlan
 from ring_rewrite.p2p import DKV, KV, KV_BACK
 from ring_rewrite.program import Block, Start, Wait
 from ring_rewrite.testing import capture_ranks, site_body
-from ring_rewrite.testing.schedule import first_difference, unpaired
 
 WINDOW = 6
 
@@ -116,24 +117,25 @@ SITE = dict(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, 8, 64])
 def test_every_ranks_program_issues_the_same_transfers_and_they_pair_up(world):
-    # What assert_same_p2p_schedule checks of compiled graphs, from the plans alone.
-    plans = _plans(world, **SITE, band=(-300, None))
-    for graph in ("forward", "backward"):
-        schedules = [testing.planned_transfers(p, graph) for p in plans]
-        assert schedules[0]
-        for schedule in schedules[1:]:
-            assert first_difference(schedules[0], schedule) is None
-        assert unpaired(list(range(world)), schedules) == []
+    # What assert_same_p2p_schedule checks of compiled graphs, from the plans alone, at any size.
+    plans = _plans(world, **{**SITE, "n": max(SITE["n"], world * 128)}, band=(-300, None))
+    assert testing.assert_same_p2p_schedule(plans) == plans
+    assert all(testing.planned_transfers(p, "backward") for p in plans)
 
 
 def test_a_changed_program_is_a_different_schedule():
     plans = _plans(4, **SITE)
-    schedules = [testing.planned_transfers(p, "forward") for p in plans]
     # Rank 1 with wider values: the same transfers, of other shapes.
-    other = SitePlan.build(world=4, rank=1, **{**SITE, "dv": 32})
-    assert first_difference(schedules[0], testing.planned_transfers(other, "forward")) is not None
+    plans[1] = SitePlan.build(world=4, rank=1, **{**SITE, "dv": 32})
+    with pytest.raises(AssertionError, match="rank 1 differs from rank 0 at transfer #0"):
+        testing.assert_same_p2p_schedule(plans)
+    # Rank 1 as rank 2 of the ring: it sends where rank 2 does, which nobody receives.
+    plans[1] = SitePlan.build(world=4, rank=2, **SITE)
+    plans[1] = dataclasses.replace(plans[1], rank=1)
+    with pytest.raises(AssertionError, match="receives from"):
+        testing.assert_same_p2p_schedule(plans)
 
 
 def test_a_band_skips_blocks_the_window_never_reaches_and_the_report_counts_none_of_them():

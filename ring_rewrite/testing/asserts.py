@@ -12,7 +12,7 @@ from ..passes import location
 from ..report import Report
 from .capture import Capture, capture_ranks
 from .graphs import op_label, walk
-from .schedule import first_difference, schedule_table, unpaired
+from .schedule import first_difference, planned_transfers, schedule_table, unpaired
 
 __all__ = ["assert_left_alone", "assert_rewritten", "assert_same_p2p_schedule"]
 
@@ -171,7 +171,9 @@ def assert_same_p2p_schedule(
 
     Compiles ``model`` once per rank of a fake process group of ``world`` ranks
     (``capture_ranks``, with ``aot=True``: no communication, nothing runs across ranks), or
-    takes a list of per-rank captures already made. Every rank's forward then backward graphs
+    takes a list of per-rank captures already made, or every rank's ``SitePlan`` (then nothing
+    compiles: their programs' transfers are compared, ``planned_transfers``, at any size).
+    Every rank's forward then backward graphs
     must issue the same transfers (op, tag, sent shapes and dtypes) in the same order, and each
     send must meet a receive from its sender at the same position on the peer: what a real
     ring needs not to deadlock or pair the wrong messages (Note [Ordering the ring's messages]
@@ -179,8 +181,8 @@ def assert_same_p2p_schedule(
     by side.
 
     Args:
-        model (Callable or Sequence[Capture]): the model or function to compile, or the
-            per-rank captures (then leave ``inputs`` out).
+        model (Callable, Sequence[Capture] or Sequence[SitePlan]): the model or function to
+            compile, or the per-rank captures or site plans (then leave ``inputs`` out).
         inputs (Sequence or Callable[[int], Sequence], optional): the model's arguments on
             every rank, or a function of the rank that returns them (the rank's shard in
             sharded mode). Default: ``None`` (``model`` is a list of captures).
@@ -192,7 +194,7 @@ def assert_same_p2p_schedule(
         **config: ``RingDilatedConfig`` fields (``compiler`` defaults to ``"eager"``).
 
     Returns:
-        list[Capture]: the captures, one per rank.
+        list[Capture]: the captures, one per rank (the plans, where given plans).
 
     Raises:
         TypeError: ``model`` is not a list of captures and ``inputs`` is ``None``.
@@ -212,12 +214,17 @@ def assert_same_p2p_schedule(
         if inputs is None:
             raise TypeError("assert_same_p2p_schedule needs the model's inputs (or a list of captures)")
         captures = capture_ranks(model, inputs, world=world, backward=backward, **config)
-    schedules = [c.schedule() for c in captures]
+    plans = all(hasattr(c, "forward_program") for c in captures)
+    if plans:
+        schedules = [planned_transfers(p, "forward") + planned_transfers(p, "backward") for p in captures]
+    else:
+        schedules = [c.schedule() for c in captures]
     ranks = [c.rank for c in captures]
     if expect_transfers and not any(schedules):
+        report = "" if plans else f"\n\n{_report(captures[0].records)}"
         raise AssertionError(
             f"no ring transfer on any of {len(captures)} ranks, so there is no schedule to compare "
-            f"(every branch local, or no site rewritten?)\n\n{_report(captures[0].records)}"
+            f"(every branch local, or no site rewritten?){report}"
         )
     problems = []
     for rank, schedule in zip(ranks[1:], schedules[1:]):
