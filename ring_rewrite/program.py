@@ -301,7 +301,9 @@ Step = Union[Dilate, Start, Wait, Chunk, Block, Merge, Land, Undilate, Cast, Gat
 @dataclasses.dataclass(frozen=True)
 class Program:
     """The steps of one site call (``graph``: ``"forward"`` or ``"backward"``) on one rank, in
-    the order the body runs them (Note [The site program]). ``str`` prints one line a step."""
+    the order the body runs them (Note [The site program]; a folded one is for counting only,
+    ``build``), and the site's head dims ``d`` and ``dv`` for its FLOPs. ``str`` prints one line
+    a step."""
 
     graph: str
     title: str
