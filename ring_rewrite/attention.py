@@ -1118,12 +1118,12 @@ class _Backward(_Call):
         with role("undilate", branch=i):
             if qh != slice(0, plan.hq):  # kernel heads of whole kv heads are those of the same query heads
                 layout, dq = layout.heads(qh.start, qh.stop), dq[:, qh]
-            if self.local is not None and len(plan.local_chunks()) > 1:
-                self.local.sums[0] = _undilate_add(plan, self.local.sums[0], dq, layout, rows=True, start=start)
-            elif self.local is not None:
-                self.local.sums[0] = self.dq = _undilate_add(plan, self.local.sums[0], dq, layout, rows=True, start=start)
-            else:
-                self.dq = _undilate_add(plan, self.dq, dq, layout, rows=True, start=start)
+            total = self.dq if self.local is None else self.local.sums[0]
+            total = _undilate_add(plan, total, dq, layout, rows=True, start=start)
+        if self.local is not None:
+            self.local.sums[0] = total
+        if self.local is None or len(plan.local_chunks()) == 1:  # several: the site's once written
+            self.dq = total
 
     def _write_chunk(self, step: Merge) -> None:
         """A local head chunk's sums into the site's gradients (nothing to do where it summed

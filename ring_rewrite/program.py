@@ -145,7 +145,10 @@ class Block:
     step: int | None
     chunk: int
     index: int
-    parts: tuple[int, int, int, int]
+    q0: int
+    q1: int
+    k0: int
+    k1: int
     batch: int
     heads: int
     rows: int
@@ -162,20 +165,8 @@ class Block:
     times: int = 1
 
     @property
-    def q0(self) -> int:
-        return self.parts[0]
-
-    @property
-    def q1(self) -> int:
-        return self.parts[1]
-
-    @property
-    def k0(self) -> int:
-        return self.parts[2]
-
-    @property
-    def k1(self) -> int:
-        return self.parts[3]
+    def parts(self) -> tuple[int, int, int, int]:
+        return self.q0, self.q1, self.k0, self.k1
 
     @property
     def pairs(self) -> int:
@@ -286,6 +277,7 @@ class Gather:
     shape: tuple[int, ...]
     dtype: torch.dtype
     bytes: int
+    times: int = 1
 
     @property
     def tag(self) -> Tag:
@@ -350,7 +342,7 @@ class Program:
                 key, flops, sent, message = s.branch, 2 * s.batch * s.heads * s.pairs * (self.d + self.dv) * s.times, 0, 0
             elif isinstance(s, (Start, Gather)):
                 key = s.tag.branch if isinstance(s, Start) else None
-                flops, sent, message = 0, s.bytes * getattr(s, "times", 1), s.bytes
+                flops, sent, message = 0, s.bytes * s.times, s.bytes
             else:
                 continue
             f, b, m = counts.get(key, (0, 0, 0))
@@ -628,7 +620,7 @@ def _block(
     m, r = layout.m, layout.r
     batch = layout.batch * layout.nseg if branch.is_local else layout.batch
     block = Block(
-        i, step, c, j, (blk.q0, blk.q1, blk.k0, blk.k1), batch, heads, (blk.q1 - blk.q0) * m,
+        i, step, c, j, blk.q0, blk.q1, blk.k0, blk.k1, batch, heads, (blk.q1 - blk.q0) * m,
         (blk.k1 - blk.k0) * m, blk.causal, in_place=in_place, backward=backward, times=times,
     )  # fmt: skip
     if plan.band is None and not plan.documents:
