@@ -26,21 +26,31 @@ merged softmax (docs/semantics.md, Dropout): ``O = sum_t Z_t exp(s_t - L) v_t`` 
 and ``O`` the merged (dropped) output, the backward is
 ``dS = P * (Z * dO·v - rowsum(dO * O))``, ``dV = (P * Z)^T dO``.
 
-Note [The CUDA entry's tests]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-It runs torch's memory-efficient attention, the CUDA kernel that takes an additive bias and
-returns the log-sum-exp. ``tests/test_cuda.py`` passed on one NVIDIA H200 with torch
-2.11.0+cu130, its 52 tests: float32 under inductor and aot_eager (exact, LongNet and
-rate-8 configs; MHA, GQA, d != dv with a scale; causal or not) within 1e-5 of the float64
-reference (1.7e-6 at most); key-padding masks, a fully masked batch row giving exactly 0; bf16
-and fp16 within 2x of the error of SDPA in that dtype (1.6x at most, fp16 LongNet: each branch's
-output is rounded to half before the merge). P = 1 only: one GPU runs no ring of processes
-(NCCL). The CPU CI skips that file (no CUDA device); ``tests/test_kernels.py`` checks the entry's
-shapes on meta tensors there.
+Note [The CUDA kernels]
+~~~~~~~~~~~~~~~~~~~~~~~
+The CUDA entry runs each block on one of torch's fused attention kernels that return the
+log-sum-exp and take the merged statistics in their backward (``CUDA_CANDIDATES``): FlashAttention
+(``aten._scaled_dot_product_flash_attention``: half inputs, no bias, head sizes to 256, GQA
+without repeating K/V), cuDNN's (half inputs, no bias, head sizes to 128, GQA without
+repeating) and the memory-efficient kernel (every dtype, a bias, K/V heads repeated for GQA; it
+serves every block). Flash and cuDNN align a causal mask bottom-right where ours is top-left, so
+they serve a causal block only when it is square (every causal block of a site is). A block
+runs on the first candidate of ``CUDA_ORDER`` that serves it, the memory-efficient kernel last;
+the choice is made at run time, per block, so a compiled graph does not depend on it.
+``benchmarks/gpu_kernels.py`` checks each candidate against float64 and times it, per case
+(dtype, causal or not, GQA, head size), and ``CUDA_ORDER`` follows what it measured.
+
+Tested: ``tests/test_cuda.py`` (skipped without a CUDA device) runs each candidate in bf16 and
+fp16 under inductor, outputs and gradients, against float64 and against SDPA in the same dtype;
+float32 and masks through the memory-efficient kernel; a transfer over NCCL. It passed on one
+NVIDIA H200 with torch 2.11.0+cu130 with the memory-efficient kernel alone (52 tests, 1.7e-6 at
+most in float32). P = 1 only: one GPU runs no ring of processes. The CPU CI skips that file;
+``tests/test_kernels.py`` checks every candidate's shapes on meta tensors there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -52,6 +62,7 @@ from . import cpu_kernel
 
 __all__ = [
     "BlockKernel", "KERNELS", "block_kernel", "kernel_unsupported_reason", "dropout_forward", "dropout_backward",
+    "CudaCandidate", "CUDA_CANDIDATES", "CUDA_ORDER", "cuda_candidates", "use_cuda_kernel",
 ]  # fmt: skip
 
 aten = torch.ops.aten
@@ -70,7 +81,7 @@ class BlockKernel:
     compute_dtype: Callable[[torch.dtype], torch.dtype]
     """The dtype blocks compute in, for a site's input dtype."""
     tested: bool
-    """Whether a test suite has run it (Note [The CUDA entry's tests])."""
+    """Whether a test suite has run it (Note [The CUDA kernels])."""
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -253,14 +264,15 @@ def nonfinite_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
     return dq.to(q.dtype), _per_kv_head(dk, hkv).to(k.dtype), _per_kv_head(dv, hkv).to(v.dtype)
 
 
-# ---- CUDA: the memory-efficient kernel (Note [The CUDA entry's tests]) ----------------------
+# ---- CUDA: torch's fused kernels, one chosen per case (Note [The CUDA kernels]) -------------
 
 _CUDA_ALIGN = 8  # head sizes are padded to a multiple of this, as SDPA's front end does
-_CUDA_LSE_ROWS = 32  # the kernel's lse rows come padded to a multiple of this
+_CUDA_LSE_ROWS = 32  # the memory-efficient kernel's lse rows come padded to a multiple of this
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _cuda_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
-    """K or V with one head per query head (GQA spelled out: the kernel wants equal heads)."""
+    """K or V with one head per query head (GQA spelled out, for a kernel that wants equal heads)."""
     return x if x.shape[1] == hq else x.repeat_interleave(hq // x.shape[1], dim=1)
 
 
@@ -280,14 +292,22 @@ def _cuda_bias(bias, q, k):
     return view
 
 
-def _cuda_inputs(q, k, v):
-    """q, k, v as the kernel takes them: unit stride, one K/V head per query head, head sizes
-    padded with zeros."""
+def _aligned(size: int) -> int:
+    return size + -size % _CUDA_ALIGN
+
+
+def _cuda_inputs(q, k, v, *, same_size: bool = False, repeat_heads: bool = True):
+    """q, k, v as a fused kernel takes them: unit stride, head sizes padded with zeros (to one
+    size for all three with ``same_size``), and one K/V head per query head with
+    ``repeat_heads``."""
     hq = q.shape[1]
-    q, k, v = _unit_stride(q), _cuda_heads(_unit_stride(k), hq), _cuda_heads(_unit_stride(v), hq)
-    d, dv = q.shape[-1], v.shape[-1]
-    qk = d + -d % _CUDA_ALIGN
-    return _pad_last(q, qk), _pad_last(k, qk), _pad_last(v, dv + -dv % _CUDA_ALIGN)
+    q, k, v = (_unit_stride(x) for x in (q, k, v))
+    if repeat_heads:
+        k, v = _cuda_heads(k, hq), _cuda_heads(v, hq)
+    qk, dv = _aligned(q.shape[-1]), _aligned(v.shape[-1])
+    if same_size:
+        qk = dv = max(qk, dv)
+    return _pad_last(q, qk), _pad_last(k, qk), _pad_last(v, dv)
 
 
 def _sdpa_layout(x: torch.Tensor) -> torch.Tensor:
@@ -297,37 +317,159 @@ def _sdpa_layout(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _cuda_forward(q, k, v, bias, scale, is_causal):
+def _zero_empty_rows(out: torch.Tensor, lse: torch.Tensor, dv: int) -> torch.Tensor:
+    """A row with nothing to attend (its lse infinite, whichever way) outputs zeros, as on CPU.
+    A NaN row (a NaN it attends to) keeps its NaN out and lse (Note [Non-finite values] in
+    cpu_kernel.py)."""
+    return out[..., :dv].masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
+
+
+def _per_kv_head_grad(g: torch.Tensor, hkv: int, channels: int) -> torch.Tensor:
+    g = g[..., :channels]
+    if g.shape[1] != hkv:
+        g = g.unflatten(1, (hkv, -1)).sum(2)
+    return g.contiguous()
+
+
+def _no_rng(q: torch.Tensor, shape=()) -> torch.Tensor:
+    """A seed or offset for a backward without dropout (the kernels read it only with dropout)."""
+    return torch.zeros(shape, dtype=torch.int64, device=q.device)
+
+
+def _efficient_forward(q, k, v, bias, scale, is_causal):
     length, dv = q.shape[-2], v.shape[-1]
     qp, kp, vp = _cuda_inputs(q, k, v)
     out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
         qp, kp, vp, _cuda_bias(bias, qp, kp), True, 0.0, is_causal, scale=scale
     )
     lse = lse[..., :length]
-    # A row with nothing to attend (its lse infinite, whichever way): zeros, as on CPU. A NaN row
-    # (a NaN it attends to) keeps its NaN out and lse (Note [Non-finite values] in cpu_kernel.py).
-    out = out[..., :dv].masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
-    return out, lse
+    return _zero_empty_rows(out, lse, dv), lse
 
 
-def _cuda_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+def _efficient_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
     hkv, d, dv = k.shape[1], q.shape[-1], v.shape[-1]
     qp, kp, vp = _cuda_inputs(q, k, v)
     dout, out = (_sdpa_layout(_pad_last(x, vp.shape[-1])) for x in (dout, out))
     lse = F.pad(lse.float(), (0, -lse.shape[-1] % _CUDA_LSE_ROWS))
-    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout
+    seed = offset = _no_rng(q)
     dq, dk, dvv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dout, qp, kp, vp, _cuda_bias(bias, qp, kp), out, lse, seed, offset, 0.0,
         [True, True, True, False], is_causal, scale=scale,
     )  # fmt: skip
+    return dq[..., :d].contiguous(), _per_kv_head_grad(dk, hkv, d), _per_kv_head_grad(dvv, hkv, dv)
 
-    def per_kv_head(g, channels):
-        g = g[..., :channels]
-        if g.shape[1] != hkv:
-            g = g.unflatten(1, (hkv, -1)).sum(2)
-        return g.contiguous()
 
-    return dq[..., :d].contiguous(), per_kv_head(dk, d), per_kv_head(dvv, dv)
+def _flash_forward(q, k, v, bias, scale, is_causal):
+    dv = v.shape[-1]
+    qp, kp, vp = _cuda_inputs(q, k, v, same_size=True, repeat_heads=False)
+    out, lse, *_ = aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, is_causal, scale=scale)
+    return _zero_empty_rows(out, lse, dv), lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+    hkv, d, dv = k.shape[1], q.shape[-1], v.shape[-1]
+    qp, kp, vp = _cuda_inputs(q, k, v, same_size=True, repeat_heads=False)
+    dout, out = (_pad_last(_unit_stride(x), vp.shape[-1]) for x in (dout, out))
+    length, keys = q.shape[2], k.shape[2]
+    dq, dk, dvv = aten._scaled_dot_product_flash_attention_backward(
+        dout, qp, kp, vp, out, lse.float().contiguous(), None, None, length, keys, 0.0, is_causal,
+        _no_rng(q, (2,)), _no_rng(q), scale=scale,
+    )  # fmt: skip
+    return dq[..., :d].contiguous(), _per_kv_head_grad(dk, hkv, d), _per_kv_head_grad(dvv, hkv, dv)
+
+
+def _cudnn_forward(q, k, v, bias, scale, is_causal):
+    dv = v.shape[-1]
+    qp, kp, vp = _cuda_inputs(q, k, v, repeat_heads=False)
+    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+        qp, kp, vp, None, True, 0.0, is_causal, False, scale=scale
+    )
+    lse = lse.reshape(lse.shape[:3])  # (B, H, L, 1) from cuDNN
+    return _zero_empty_rows(out, lse, dv), lse
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+    hkv, d, dv = k.shape[1], q.shape[-1], v.shape[-1]
+    qp, kp, vp = _cuda_inputs(q, k, v, repeat_heads=False)
+    dout, out = (_pad_last(_unit_stride(x), vp.shape[-1]).contiguous() for x in (dout, out))
+    length, keys = q.shape[2], k.shape[2]
+    dq, dk, dvv = aten._scaled_dot_product_cudnn_attention_backward(
+        dout, qp, kp, vp, out, lse.float().unsqueeze(-1).contiguous(), _no_rng(q), _no_rng(q),
+        None, None, None, length, keys, 0.0, is_causal, scale=scale,
+    )  # fmt: skip
+    return dq[..., :d].contiguous(), _per_kv_head_grad(dk, hkv, d), _per_kv_head_grad(dvv, hkv, dv)
+
+
+def _fused_half_serves(q, k, v, bias, is_causal, max_head: int) -> bool:
+    """What flash and cuDNN share: half inputs, no bias, a causal block square (their causal
+    masks align differently from ours when L != S), rows and keys, head sizes within
+    ``max_head``."""
+    square = not is_causal or q.shape[2] == k.shape[2]
+    sizes = _aligned(q.shape[-1]) <= max_head and _aligned(v.shape[-1]) <= max_head
+    return q.dtype in _HALF and bias is None and square and q.shape[2] > 0 and k.shape[2] > 0 and sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaCandidate:
+    """One of torch's CUDA attention kernels that return the log-sum-exp, and when it serves."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    serves: Callable[..., bool]
+    """``(q, k, v, bias, is_causal) -> bool``."""
+
+
+CUDA_CANDIDATES: dict[str, CudaCandidate] = {
+    "flash": CudaCandidate(
+        _flash_forward, _flash_backward, lambda q, k, v, bias, c: _fused_half_serves(q, k, v, bias, c, 256)
+    ),
+    "cudnn": CudaCandidate(
+        _cudnn_forward, _cudnn_backward, lambda q, k, v, bias, c: _fused_half_serves(q, k, v, bias, c, 128)
+    ),
+    "efficient": CudaCandidate(_efficient_forward, _efficient_backward, lambda q, k, v, bias, c: True),
+}  # fmt: skip
+
+CUDA_ORDER: tuple[str, ...] = ("efficient",)
+"""The candidates in the order the CUDA entry tries them: the first that serves a block runs it
+(Note [The CUDA kernels])."""
+
+_cuda_forced: list[str] = []
+
+
+@contextlib.contextmanager
+def use_cuda_kernel(name: str):
+    """Within the block, CUDA blocks run candidate ``name`` wherever it serves them (the others
+    as ``CUDA_ORDER`` says): how ``benchmarks/gpu.py`` times each candidate. The choice is made
+    at run time, so one compiled function serves every candidate."""
+    if name not in CUDA_CANDIDATES:
+        raise ValueError(f"no CUDA block kernel {name!r} (have {', '.join(CUDA_CANDIDATES)})")
+    _cuda_forced.append(name)
+    try:
+        yield
+    finally:
+        _cuda_forced.pop()
+
+
+def cuda_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The candidates that can serve blocks of ``dtype`` (some blocks of theirs, at least)."""
+    return tuple(name for name in CUDA_CANDIDATES if name == "efficient" or dtype in _HALF)
+
+
+def _cuda_pick(q, k, v, bias, is_causal) -> CudaCandidate:
+    for name in [*_cuda_forced[-1:], *CUDA_ORDER, "efficient"]:
+        candidate = CUDA_CANDIDATES[name]
+        if candidate.serves(q, k, v, bias, is_causal):
+            return candidate
+    raise AssertionError("the memory-efficient kernel serves every block")
+
+
+def _cuda_forward(q, k, v, bias, scale, is_causal):
+    return _cuda_pick(q, k, v, bias, is_causal).forward(q, k, v, bias, scale, is_causal)
+
+
+def _cuda_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+    candidate = _cuda_pick(q, k, v, bias, is_causal)
+    return candidate.backward(dout, q, k, v, out, lse, bias, scale, is_causal)
 
 
 KERNELS: dict[str, BlockKernel] = {

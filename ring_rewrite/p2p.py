@@ -148,6 +148,37 @@ no group in it: gloo keeps one context per process group, and a message matches 
 posted in its own group (two groups over the same two ranks, the same tag, received in the other
 order: each got its own message). So two ``cp`` groups never cross, nor a rank's ring its ``dp``
 collectives (FSDP, DDP).
+
+Note [The CUDA transport]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+On a process group of NCCL the ring's own group (``ring_group``) is ``cpu:gloo,cuda:nccl``:
+what the ring exchanges on the CPU (headers, a compile's agreement, recovery's lists) goes over
+gloo with the deadlines above, the K/V, dK/dV and gathered tensors, on the GPU, over NCCL. The
+transfers keep torch's stream contract (``ProcessGroupNCCL``; its functional collectives'
+``wait_tensor`` does the same):
+
+* ``ring_shift_start`` launches the P2P ops (``batch_isend_irecv``) on the group's NCCL stream,
+  which first waits for the current stream: what the compute before the start wrote is what is
+  sent. The host does not wait.
+* ``ring_shift_wait`` calls each work's ``wait()`` on the calling thread: it makes the *current*
+  stream wait for the NCCL stream and returns at once. Kernels launched after it read the
+  received tensors; those launched between start and wait overlap the transfer. No thread of
+  ours waits on a CUDA work (``_Waiter`` serves gloo only): on another thread ``wait()`` would
+  order that thread's current stream, not the caller's.
+* Every tensor NCCL reads or writes, sent and received, is held by ``_Pending`` from the start
+  until the wait, so the caching allocator cannot hand its memory out while the transfer may
+  still use it; after the wait the current stream is ordered after the transfer, so memory
+  freed then and reused on that stream is reused after it (no ``record_stream`` is needed: the
+  allocator reuses a block on the stream that allocated it, the current one, and ``received``
+  is allocated there). Inductor's planner is held off as on the CPU (Note [Buffers in flight]).
+* The host never waits for a CUDA transfer, so ``RingDilatedConfig.timeout`` does not bound
+  one: the NCCL process group's own timeout (its watchdog) does. Headers keep their deadlines
+  over gloo, and a transfer left pending (an error between its start and its wait) is recovered
+  at the next header as on the CPU, its messages posted on the GPU.
+
+What ran where: the transport's calls are checked on CPU against a fake process group
+(``tests/test_ring.py``); ``tests/test_cuda.py`` sends to its own rank over NCCL on one GPU
+(NCCL runs no ring of several processes on one GPU). A ring of several GPUs has not run.
 """
 
 from __future__ import annotations
@@ -406,6 +437,14 @@ class _Started:
     sends: tuple
     """``(message index, shape, dtype)`` of each message sent."""
     recvs: tuple
+    device: str
+    """Where the messages live: ``cpu`` (gloo) or ``cuda`` (NCCL), as recovery must post them."""
+
+
+def _device(started: _Started) -> torch.device:
+    if started.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(started.device)
 
 
 _GROUPS: dict[str, _GroupState] = {}
@@ -685,19 +724,20 @@ def _recover(group, group_name, state, previous: dict, leftover: list, timeout: 
             wire = _wire(t.call, t.tag)
             if t.send_to == me:  # sent to us, never received: receive it and drop it
                 ops += [
-                    _p2p(dist.irecv, torch.empty(shape, dtype=dtype), group, peer, 8 * wire + i)
+                    _p2p(dist.irecv, torch.empty(shape, dtype=dtype, device=_device(t)), group, peer, 8 * wire + i)
                     for i, shape, dtype in t.sends
                 ]
             if t.recv_from == me:  # waits for us, never sent: send zeros
                 ops += [
-                    _p2p(dist.isend, torch.zeros(shape, dtype=dtype), group, peer, 8 * wire + i)
+                    _p2p(dist.isend, torch.zeros(shape, dtype=dtype, device=_device(t)), group, peer, 8 * wire + i)
                     for i, shape, dtype in t.recvs
                 ]
-    works = [_Work(w) for w in dist.batch_isend_irecv(ops)] if ops else []
+    on_stream = bool(ops) and _on_stream(ops[0].tensor)
+    works = [_Work(w, on_stream) for w in dist.batch_isend_irecv(ops)] if ops else []
     for pending in leftover:
         works += pending.works
     try:
-        _WAITER.wait(works, timeout)
+        _wait(works, timeout)
     except BaseException as error:
         state.broken = f"recovering the transfers of a failed call failed: {error}"
         raise
@@ -740,12 +780,29 @@ def _message_tag(token: torch.Tensor, tag: int) -> tuple[tuple[int, int], int, s
 
 
 class _Work:
-    """A gloo work and whether it was waited for (waiting twice would block: gloo counts)."""
+    """A transfer's work, whether it was waited for (waiting twice would block: gloo counts),
+    and whether it runs on a CUDA stream (Note [The CUDA transport])."""
 
-    __slots__ = ("work", "done")
+    __slots__ = ("work", "done", "on_stream")
 
-    def __init__(self, work) -> None:
-        self.work, self.done = work, False
+    def __init__(self, work, on_stream: bool = False) -> None:
+        self.work, self.done, self.on_stream = work, False, on_stream
+
+
+def _on_stream(x: torch.Tensor) -> bool:
+    """Whether a transfer of ``x`` runs on a CUDA stream (NCCL) rather than gloo's threads."""
+    return x.is_cuda
+
+
+def _wait(works: list[_Work], timeout: float) -> None:
+    """Wait for ``works``: CUDA works on this thread, making the current stream wait for them
+    (returns at once, no deadline: Note [The CUDA transport]); gloo works on the waiter thread,
+    ``TransferTimeout`` past ``timeout`` seconds."""
+    for work in works:
+        if work.on_stream and not work.done:
+            work.done = True
+            work.work.wait()
+    _WAITER.wait([w for w in works if not w.on_stream], timeout)
 
 
 class _Job:
@@ -767,6 +824,8 @@ class _Waiter:
 
     def wait(self, works: list[_Work], timeout: float) -> None:
         """Wait for ``works``; ``TransferTimeout`` past ``timeout`` seconds, or their error."""
+        if all(w.done for w in works):
+            return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -815,7 +874,7 @@ def _release_at_exit() -> None:
     closes the connection), that thread would abort the process (``std::terminate``). At exit,
     while Python still runs, a wait on it whose deadline has passed makes gloo close the group's
     connections, which wakes the thread now; it is given a few seconds to let go."""
-    stuck = [w for p in [*_PENDING.values(), *_ABANDONED] for w in p.works if not w.done]
+    stuck = [w for p in [*_PENDING.values(), *_ABANDONED] for w in p.works if not w.done and not w.on_stream]
     if not stuck:
         return
     try:
@@ -882,7 +941,8 @@ def _start(
         prints = (ours, theirs)
     ops = [_p2p(dist.isend, x, group, send_to, 8 * wire + i) for i, x in sends]
     ops += [_p2p(dist.irecv, r, group, recv_from, 8 * wire + i) for i, r in recvs]
-    works = [_Work(w) for w in dist.batch_isend_irecv(ops)]
+    on_stream = _on_stream(sent[0])
+    works = [_Work(w, on_stream) for w in dist.batch_isend_irecv(ops)]
     peers = (global_rank(group, send_to), global_rank(group, recv_from))
     _PENDING[key] = _Pending(
         group_name, f"transfer {name}", peers, works, received, sent, given, prints
@@ -891,7 +951,7 @@ def _start(
     _state(group_name).started[call, tag] = _Started(
         call, tag, send_to, recv_from,
         tuple((i, tuple(x.shape), x.dtype) for i, x in sends),
-        tuple((i, tuple(x.shape), x.dtype) for i, x in recvs),
+        tuple((i, tuple(x.shape), x.dtype) for i, x in recvs), sent[0].device.type,
     )  # fmt: skip
     counters["ring_rewrite"]["bytes_sent"] += sum(x.numel() * x.element_size() for x in sent)
     return key
@@ -902,7 +962,7 @@ def _finish(keys: list[tuple[int, int]], timeout: float) -> list[_Pending]:
     naming the first unfinished one and its peers, and leave them pending (recovery)."""
     pendings = [_PENDING[key] for key in keys]
     try:
-        _WAITER.wait([w for p in pendings for w in p.works], timeout)
+        _wait([w for p in pendings for w in p.works], timeout)
     except TransferTimeout:
         late = next(p for p in pendings if not all(w.done for w in p.works))
         send_to, recv_from = late.peers
@@ -1265,11 +1325,18 @@ def ring_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     backend = group._get_backend(torch.device("cpu")) if dist.get_backend(group) == "gloo" else None
     timeout = getattr(getattr(backend, "options", None), "_timeout", None)
     ours = dist.new_group(
-        ranks, backend=dist.get_backend(group), use_local_synchronization=True,
+        ranks, backend=_ring_backend(group), use_local_synchronization=True,
         group_desc=f"ring_rewrite:{group.group_name}", **({"timeout": timeout} if timeout else {}),
     )  # fmt: skip
     _RING_GROUPS[group.group_name] = ours
     return ours
+
+
+def _ring_backend(group: dist.ProcessGroup) -> str:
+    """The ring group's backend: the user's, with gloo beside NCCL for what the ring exchanges
+    on the CPU (headers, agreement: Note [The CUDA transport])."""
+    backend = dist.get_backend(group)
+    return "cpu:gloo,cuda:nccl" if "nccl" in backend else backend
 
 
 def check_agreement(group: dist.ProcessGroup, sites: list[dict], timeout: float) -> None:

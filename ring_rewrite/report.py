@@ -64,7 +64,7 @@ So the backward peak is ``saved`` plus the largest of
 The forward peak is the same with outs for gradients. Not counted: the block kernel's per-thread
 tiles (ours: about 0.5 MiB a thread at 64 dims, backward, and 8 bytes for each query row of a
 kv head's group; about 1 MiB for aten's), what the allocator keeps after frees (small tensors in glibc's heap), and the CUDA
-kernel's own workspace (the CPU kernel's scratch stands in for it, Note [The CUDA entry's tests]
+kernel's own workspace (the CPU kernel's scratch stands in for it, Note [The CUDA kernels]
 in ``kernels.py``).
 ``benchmarks/ring_memory.py`` and ``benchmarks/scale.py`` print the estimate beside the
 measured peaks.

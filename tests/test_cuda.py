@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from ranks import run_ranks
+from ring_rewrite import kernels
 from ring_rewrite.reference import connection_counts
 from test_numerics import CONFIGS, SHAPES, TOL, _assert_rewritten, _compile, _errors, _forward_backward
 from test_numerics import _inputs, _mask, _reference
@@ -102,14 +105,16 @@ def _sdpa_same_function(config, q, k, v, dout, *, is_causal):
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("config", [CONFIGS["exact"], CONFIGS["longnet"]], ids=["exact", "longnet"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_no_worse_than_sdpa(dtype, config, is_causal, request):
+@pytest.mark.parametrize("candidate", kernels.cuda_candidates(torch.bfloat16))
+def test_half_no_worse_than_sdpa(candidate, dtype, config, is_causal, request):
     """In bf16 / fp16, error vs the float64 reference <= 2x that of SDPA in the same dtype on the
     GPU computing the same function on the same inputs, output and gradients (docs/semantics.md,
-    Accuracy)."""
+    Accuracy), with each CUDA block kernel that serves half inputs (GQA, head size 16)."""
     batch, hq, hkv, n, d = 2, 4, 2, 100, 16
     q, k, v = _inputs(batch, hq, hkv, n, d, d, dtype=dtype)
     dout = torch.randn(batch, hq, n, d, dtype=dtype)
-    got = _run(config, "inductor", q, k, v, dout, is_causal=is_causal, enable_gqa=True)
+    with kernels.use_cuda_kernel(candidate):
+        got = _run(config, "inductor", q, k, v, dout, is_causal=is_causal, enable_gqa=True)
     assert got[0].dtype == dtype and all(g.dtype == dtype for g in got[1])
     expected = _reference(config, q, k, v, dout, is_causal=is_causal)
     ours = _errors(got, expected)
@@ -152,3 +157,35 @@ def test_local_branches_in_head_chunks(compiler, shape, monkeypatch, request):
     errors = _errors(got, _reference(CONFIGS["longnet"], q, k, v, dout, is_causal=True))
     _report(request.node.name, errors)
     assert max(errors.values()) < TOL, errors
+
+
+# ---- the ring's transfers over NCCL (Note [The CUDA transport] in p2p.py) ----------------------
+
+
+def _nccl_to_itself(rank, world):
+    from ring_rewrite import p2p
+
+    torch.cuda.set_device(0)
+    ops = torch.ops.ring_rewrite
+    group = p2p.ring_group(dist.group.WORLD)  # gloo beside NCCL
+    name = group.group_name
+    token = p2p.site_token(0, name, 0, 60_000)  # the call's header, int64 on the CPU: over gloo
+    x = torch.randn(1 << 20, device=DEVICE)
+    y = torch.randn(64, 48, device=DEVICE, dtype=torch.bfloat16)
+    expected = [x.clone(), y.clone()]
+    tag = p2p.transfer_tag(0, p2p.KV, 1)
+    token = ops.ring_shift_start([x, y], token, name, 0, 0, tag)
+    busy = torch.randn(4096, 4096, device=DEVICE)
+    busy = busy @ busy  # compute the transfer overlaps
+    *got, token = ops.ring_shift_wait([x, y], token, tag, [busy])
+    ops.close_call(token, name, [])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert p2p._WAITER._thread is None  # no helper thread waited on a CUDA work
+    assert not p2p._PENDING
+
+
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="no NCCL")
+def test_a_transfer_over_nccl_to_its_own_rank():
+    """One GPU runs no ring of several processes (NCCL refuses two ranks on one GPU): a rank
+    sends to itself, through the ring's group and ops."""
+    run_ranks(1, _nccl_to_itself, backend="nccl")

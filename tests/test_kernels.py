@@ -2,7 +2,7 @@
 
 The CPU entry's numerics are tested through the ops (``test_ops.py``) and the ring. The CUDA
 entry's are tested by ``test_cuda.py`` on a GPU; here, without one, only its shapes are checked,
-on meta tensors (Note [The CUDA entry's tests] in ``kernels.py``).
+on meta tensors (Note [The CUDA kernels] in ``kernels.py``).
 """
 
 from __future__ import annotations
@@ -72,16 +72,25 @@ def test_a_site_on_a_device_without_kernel_is_left_alone_with_the_reason():
 @pytest.mark.parametrize("hkv", [4, 2])
 @pytest.mark.parametrize("d, dv", [(16, 16), (12, 20)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_cuda_entry_shapes_on_meta_tensors(hkv, d, dv, with_bias):
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("candidate", list(kernels.CUDA_CANDIDATES))
+def test_cuda_entry_shapes_on_meta_tensors(candidate, is_causal, hkv, d, dv, with_bias):
+    """Each CUDA candidate's shapes and dtypes; flash and cuDNN serve no bias, nor a causal block
+    that is not square (their causal masks align differently from ours there)."""
     b, hq, length, s = 2, 4, 40, 24
     q = torch.empty(b, hq, length, d, device="meta", dtype=torch.bfloat16)
     k = torch.empty(b, hkv, s, d, device="meta", dtype=torch.bfloat16)
     v = torch.empty(b, hkv, s, dv, device="meta", dtype=torch.bfloat16)
     bias = torch.empty(b, hq, 1, s, device="meta", dtype=torch.bfloat16) if with_bias else None
     cuda = kernels.KERNELS["cuda"]
-    out, lse = cuda.forward(q, k, v, bias, 0.3, True)
+    if candidate != "efficient":
+        serves = kernels.CUDA_CANDIDATES[candidate].serves(q, k, v, bias, is_causal)
+        assert serves == (bias is None and not is_causal)
+    with kernels.use_cuda_kernel(candidate):
+        out, lse = cuda.forward(q, k, v, bias, 0.3, is_causal)
     assert (out.shape, out.dtype) == ((b, hq, length, dv), q.dtype)
     assert (lse.shape, lse.dtype) == ((b, hq, length), torch.float32)
-    grads = cuda.backward(torch.empty_like(out), q, k, v, out, lse, bias, 0.3, True)
+    with kernels.use_cuda_kernel(candidate):
+        grads = cuda.backward(torch.empty_like(out), q, k, v, out, lse, bias, 0.3, is_causal)
     assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
     assert all(g.is_contiguous() for g in grads)

@@ -3,6 +3,8 @@ Accuracy)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -318,6 +320,59 @@ def _freed_by_the_caller(rank, world):
 
 def test_a_transfers_buffers_are_freed_by_the_caller():
     run_ranks(2, _freed_by_the_caller)
+
+
+class _StreamWork:
+    """A CUDA work as the transport sees one: ``wait()`` orders the caller's stream, and counts."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def wait(self, timeout=None) -> bool:
+        self.calls.append(threading.get_ident())
+        return True
+
+
+def _stream_transport(rank, world):
+    from ring_rewrite import p2p
+
+    ops = torch.ops.ring_rewrite
+    group = torch.distributed.group.WORLD.group_name
+    posted, waited, waiter_jobs = [], [], []
+
+    def batch_isend_irecv(p2p_ops):
+        posted.append([(op.op.__name__, op.peer, op.tag, op.tensor) for op in p2p_ops])
+        return [_StreamWork(waited)]
+
+    def waiter(works, timeout):
+        waiter_jobs.append([w for w in works if not w.done])
+
+    # Transfers of these (CPU) tensors made to take the CUDA path; the fake group moves nothing.
+    p2p._on_stream = lambda x: True
+    p2p.dist.batch_isend_irecv = batch_isend_irecv
+    p2p._WAITER.wait = waiter
+    x = torch.randn(8)
+    token = ops.ring_shift_start([x], p2p.site_token(0, group, 0, 20_000), group, 0, 0, 5)
+    (calls,) = posted
+    assert [(name, peer) for name, peer, _, _ in calls] == [("isend", 0), ("irecv", 0)]
+    assert calls[0][3] is x  # sent in place: no copy
+    # Nothing waits at the start; the pending transfer holds what NCCL reads and writes.
+    assert waited == []
+    (pending,) = p2p._PENDING.values()
+    assert pending.sent[0] is x and pending.received[0] is calls[1][3]
+    got, _ = ops.ring_shift_wait([x], token, 5, [])
+    # The wait: each work's wait() once, on the calling thread; nothing handed to the waiter thread.
+    assert waited == [threading.get_ident()]
+    assert all(job == [] for job in waiter_jobs)
+    assert not p2p._PENDING
+    # The ring's group beside an NCCL group: gloo for the CPU traffic, NCCL for the GPU's.
+    p2p.dist.get_backend = lambda g=None: "nccl"
+    assert p2p._ring_backend(torch.distributed.group.WORLD) == "cpu:gloo,cuda:nccl"
+
+
+def test_cuda_transfers_wait_on_the_callers_stream_and_hold_their_buffers():
+    """Note [The CUDA transport], its calls on the fake process group."""
+    run_ranks(1, _stream_transport, backend="fake")
 
 
 def _wait_on_a_copy(rank, world):
