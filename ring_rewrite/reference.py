@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["reference_attention", "connection_counts"]
+__all__ = ["reference_attention", "reference_rows", "connection_counts"]
 
 
 def connection_counts(
@@ -132,6 +132,33 @@ def reference_attention(
         else:
             outs.append(chunk(q, k, v, key_bias))
     return torch.cat(outs, dim=2)
+
+
+def reference_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    *,
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Rows ``[start, start + L)`` of :func:`reference_attention` of the whole sequence, where
+    ``q (B, Hq, L, D)`` holds only those rows' queries and ``k``, ``v`` every key: float64,
+    differentiable. A row depends on its own query alone, so its out and dq are exact from
+    ``q``'s rows (how ``benchmarks/gpu.py`` checks sequences too long for the whole reference).
+    Time and memory O(L x N)."""
+    n, hq, stop = k.shape[2], q.shape[1], start + q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    branches = [(n, 1)] if segment_lengths is None else list(zip(segment_lengths, dilation_rates))
+    q, k, v = q.double(), k.double(), v.double()
+    k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
+    keys = stop if is_causal else n
+    counts = _counts(start, stop, keys, hq, branches, is_causal=is_causal, device=q.device)
+    used = (counts.amax(dim=(0, 1)) > 0).nonzero().squeeze(1)
+    return _attend(q, k[:, :, used], v[:, :, used], counts[:, :, used], None, scale)
 
 
 def _counts(

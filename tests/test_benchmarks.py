@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from conftest import rel_err
-from ring_rewrite.reference import connection_counts, reference_attention
+from ring_rewrite.reference import connection_counts, reference_attention, reference_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu  # noqa: E402
 import single_device  # noqa: E402
 
 CONFIGS = [([8, 16, 32, 64], [1, 2, 4, 8]), ([16, 64], [1, 2]), (None, None)]
@@ -99,3 +100,32 @@ def test_decode_setup_and_byte_counts():
     held = cache.layers[0].keys.shape[2]
     assert decode.cache_bytes(cache) == decode.whole_cache_bytes(held, fields) + 2 * held * 8
     assert decode.gathered_bytes(4, fields) == 2 * 4 * 4 * (8 + 1) * 4
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_flex_baseline_is_the_same_function(causal):
+    """benchmarks/gpu.py's FlexAttention spelling of LongNet (``score_mod`` adds ``log c``, the
+    block mask keeps ``c > 0``), forward on CPU (FlexAttention has no CPU backward)."""
+    segments, rates, n = [16, 32, 64, 256], [1, 2, 4, 8], 256
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, n, 16) for _ in range(3))
+    out = gpu.flex_longnet(segments, rates, causal, n, 8, "cpu")(q, k, v)
+    ref = reference_attention(q, k, v, segment_lengths=segments, dilation_rates=rates, is_causal=causal)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("segments, rates", CONFIGS, ids=["longnet", "two", "exact"])
+def test_reference_rows_are_the_references_rows(segments, rates, causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    k2, v2 = k[:, ::4].detach(), v[:, ::4].detach()  # GQA: 2 kv heads
+    ref = reference_attention(q, k2, v2, segment_lengths=segments, dilation_rates=rates, is_causal=causal)
+    dout = torch.randn_like(ref)
+    (dq,) = torch.autograd.grad(ref, (q,), dout)
+    for start in (0, 21, 48):
+        rows = slice(start, start + 16)
+        q_rows = q.detach()[:, :, rows].requires_grad_()
+        got = reference_rows(q_rows, k2, v2, start, segment_lengths=segments, dilation_rates=rates, is_causal=causal)
+        (got_dq,) = torch.autograd.grad(got, (q_rows,), dout[:, :, rows])
+        assert torch.allclose(got, ref[:, :, rows], atol=1e-12) and torch.allclose(got_dq, dq[:, :, rows], atol=1e-12)
