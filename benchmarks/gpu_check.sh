@@ -36,9 +36,9 @@ step() {  # step NAME SECONDS COMMAND...: run it into NAME.log, record its statu
     tail -n 30 "$out/$name.log"
 }
 
-step gpu_kernels 60 "$py" benchmarks/gpu_kernels.py --out "$out"
-step gpu 260 "$py" benchmarks/gpu.py --quick --profile --out "$out"
-step demo 80 "$py" -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_longnet.py \
+step gpu_kernels 90 "$py" benchmarks/gpu_kernels.py --out "$out"
+step gpu 240 "$py" benchmarks/gpu.py --quick --profile --out "$out"
+step demo 75 "$py" -m torch.distributed.run --standalone --nproc-per-node 1 examples/train_longnet.py \
     --device cuda --steps 20 --out /tmp/gpu_check_demo_loss.png
 xdist=$("$py" -c 'import xdist' 2>/dev/null && echo "-n 8")
-TORCHINDUCTOR_COMPILE_THREADS=2 step test_cuda 130 "$py" -m pytest -q -s -rA $xdist tests/test_cuda.py
+TORCHINDUCTOR_COMPILE_THREADS=2 step test_cuda 120 "$py" -m pytest -q -s -rA $xdist tests/test_cuda.py

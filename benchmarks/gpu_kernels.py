@@ -15,6 +15,12 @@ serves it, through the CUDA entry as the op calls it (``use_cuda_kernel``):
   events after warm-up, as useful TFLOP/s (``4 D`` FLOPs per attending pair forward, 2.5x that
   backward).
 
+FlexAttention is timed beside them on the bf16 blocks of head size 64 without GQA (``flex``:
+``flex_attention`` compiled, a causal block mask, ``return_lse``; checked the same way). It is
+no candidate of the entry: its backward starts from its own output and log-sum-exp, so fed the
+merged ones it would first run the block's forward again (the gradient of the merged output
+through the block's ``(out, lse)``). Its row says whether that could pay.
+
     python benchmarks/gpu_kernels.py            # every case, about 30 s on an H100
     python benchmarks/gpu_kernels.py --quick    # bf16 and fp32 only
 """
@@ -100,11 +106,48 @@ def _measure(name, case, q, k, v, dout, scale, repeats) -> dict:
         lse = lse.float()
         fwd = _time(lambda: cuda.forward(q, k, v, None, scale, case["causal"]), repeats)
         bwd = _time(lambda: cuda.backward(dout, q, k, v, out, lse, None, scale, case["causal"]), repeats)
+    return _rates(case, fwd, bwd)
+
+
+def _rates(case: dict, fwd: float, bwd: float) -> dict:
     n = case["length"]
     pairs = n * (n + 1) // 2 if case["causal"] else n * n
     flops = 4 * case["d"] * pairs * case["batch"] * 8
     return {"fwd_ms": fwd * 1e3, "bwd_ms": bwd * 1e3, "fwd_tflops": flops / fwd / 1e12,
             "bwd_tflops": BWD * flops / bwd / 1e12}  # fmt: skip
+
+
+def _flex(case: dict):
+    """``(q, k, v, scale) -> (out, lse)`` of FlexAttention for the blocks of ``case``."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n, gqa = case["length"], case["hkv"] != 8
+    mask = create_block_mask(lambda b, h, q, kv: kv <= q, None, None, n, n, device="cuda") if case["causal"] else None
+    run = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v, scale: run(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
+
+
+def _flex_row(case: dict, q, k, v, dout, scale, repeats: int) -> dict:
+    attend = _flex(case)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out, lse = attend(*leaves, scale)
+    grads = torch.autograd.grad(out, leaves, dout)
+    g = q.shape[1] // k.shape[1]
+    got = [x[:1, :g] for x in (out, lse, grads[0])] + [x[:1, :1] for x in grads[1:]]
+    expected = _reference(q[:1, :g], k[:1, :1], v[:1, :1], dout[:1, :g], scale, case["causal"])
+    errors = {t: _common.rel_err(a, b) for t, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected)}
+    row = {"errors": errors, "ok": max(errors.values()) <= TOLERANCE[case["dtype"]]}
+    if row["ok"]:
+        with torch.no_grad():
+            fwd = _time(lambda: attend(q, k, v, scale), repeats)
+
+        def backward():
+            out, _ = attend(*leaves, scale)
+            torch.autograd.grad(out, leaves, dout)
+
+        bwd = _time(backward, repeats) - fwd
+        row.update(_rates(case, fwd, bwd))
+    return row
 
 
 def _run_case(case: dict, repeats: int) -> list[dict]:
@@ -128,6 +171,14 @@ def _run_case(case: dict, repeats: int) -> list[dict]:
         print(_line(row), flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
+    if dtype == torch.bfloat16 and d == 64 and case["hkv"] == 8:
+        row = {**case, "dtype": "bfloat16", "kernel": "flex"}
+        try:
+            row.update(_flex_row(case, q, k, v, dout, scale, repeats))
+        except Exception as error:  # noqa: BLE001  (reported)
+            row["ok"], row["error"] = False, f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        print(_line(row), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -171,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"machine": _common.machine(), "gpu": torch.cuda.get_device_name(),
               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "rows": rows}  # fmt: skip
     _common.write_json(opts.out / "gpu_kernels.json", record)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] for r in rows if r["kernel"] != "flex") else 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,13 @@ they serve a causal block only when it is square (every causal block of a site i
 runs on the first candidate of ``CUDA_ORDER`` that serves it, the memory-efficient kernel last;
 the choice is made at run time, per block, so a compiled graph does not depend on it.
 ``benchmarks/gpu_kernels.py`` checks each candidate against float64 and times it, per case
-(dtype, causal or not, GQA, head size), and ``CUDA_ORDER`` follows what it measured.
+(dtype, causal or not, GQA, head size), and ``CUDA_ORDER`` is to follow what it measures. Until a
+GPU has run it, ``CUDA_ORDER`` holds the memory-efficient kernel alone, the one that has run.
+
+FlexAttention is timed beside them, not a candidate: its backward starts from its own output
+and log-sum-exp, so a block given the merged ones would run its forward again first (the
+gradient of the merged output through the block's ``(out, lse)``), and on CPU it has no backward
+at all to develop against. ``gpu_kernels.py``'s flex rows say whether it could still pay.
 
 Tested: ``tests/test_cuda.py`` (skipped without a CUDA device) runs each candidate in bf16 and
 fp16 under inductor, outputs and gradients, against float64 and against SDPA in the same dtype;
