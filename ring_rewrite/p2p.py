@@ -157,6 +157,9 @@ gloo with the deadlines above, the K/V, dK/dV and gathered tensors, on the GPU, 
 transfers keep torch's stream contract (``ProcessGroupNCCL``; its functional collectives'
 ``wait_tensor`` does the same):
 
+* ``ring_group`` makes the NCCL communicator when the group is made (``device_id``: every rank of
+  the group makes it, at its first compile), not at the first transfer: a ring of a branch may
+  span fewer ranks than the group, and a communicator made lazily needs all of them at once.
 * ``ring_shift_start`` launches the P2P ops (``batch_isend_irecv``) on the group's NCCL stream,
   which first waits for the current stream: what the compute before the start wrote is what is
   sent. The host does not wait.
@@ -1325,18 +1328,21 @@ def ring_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     backend = group._get_backend(torch.device("cpu")) if dist.get_backend(group) == "gloo" else None
     timeout = getattr(getattr(backend, "options", None), "_timeout", None)
     ours = dist.new_group(
-        ranks, backend=_ring_backend(group), use_local_synchronization=True,
-        group_desc=f"ring_rewrite:{group.group_name}", **({"timeout": timeout} if timeout else {}),
+        ranks, use_local_synchronization=True, group_desc=f"ring_rewrite:{group.group_name}",
+        **_ring_backend(group), **({"timeout": timeout} if timeout else {}),
     )  # fmt: skip
     _RING_GROUPS[group.group_name] = ours
     return ours
 
 
-def _ring_backend(group: dist.ProcessGroup) -> str:
+def _ring_backend(group: dist.ProcessGroup) -> dict:
     """The ring group's backend: the user's, with gloo beside NCCL for what the ring exchanges
-    on the CPU (headers, agreement: Note [The CUDA transport])."""
+    on the CPU (headers, agreement), and NCCL's communicator made now, on this rank's current
+    GPU (Note [The CUDA transport])."""
     backend = dist.get_backend(group)
-    return "cpu:gloo,cuda:nccl" if "nccl" in backend else backend
+    if "nccl" not in backend:
+        return {"backend": backend}
+    return {"backend": "cpu:gloo,cuda:nccl", "device_id": torch.device("cuda", torch.cuda.current_device())}
 
 
 def check_agreement(group: dist.ProcessGroup, sites: list[dict], timeout: float) -> None:

@@ -367,7 +367,10 @@ def _stream_transport(rank, world):
     assert not p2p._PENDING
     # The ring's group beside an NCCL group: gloo for the CPU traffic, NCCL for the GPU's.
     p2p.dist.get_backend = lambda g=None: "nccl"
-    assert p2p._ring_backend(torch.distributed.group.WORLD) == "cpu:gloo,cuda:nccl"
+    torch.cuda.current_device = lambda: 3
+    assert p2p._ring_backend(torch.distributed.group.WORLD) == {
+        "backend": "cpu:gloo,cuda:nccl", "device_id": torch.device("cuda", 3)
+    }
 
 
 def test_cuda_transfers_wait_on_the_callers_stream_and_hold_their_buffers():
