@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_kernels.py needs a CUDA device")
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    torch._dynamo.config.recompile_limit = 16  # flex: one graph per case and grad mode
     rows = [row for case in _cases(opts.quick) for row in _run_case(case, opts.repeats)]
     print(_table(rows))
     record = {"machine": _common.machine(), "gpu": torch.cuda.get_device_name(),

@@ -95,7 +95,7 @@ def _branch_eager(q, k, v, w: int, r: int, causal: bool, scale: float):
     qs, ks, vs = split(q), split(k), split(v)
     out = q.new_zeros(b, h // r, r, nseg, w // r, r, dv)
     lse = q.new_full((b, h // r, r, nseg, w // r, r), float("-inf"))
-    pos = torch.arange(w // r)
+    pos = torch.arange(w // r, device=q.device)
     for o in range(r):  # head j uses offset j mod r (LongNet)
         qo, ko, vo = qs[:, :, o, :, :, o], ks[:, :, o, :, :, o], vs[:, :, o, :, :, o]
         scores = scale * qo @ ko.transpose(-1, -2)

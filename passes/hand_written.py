@@ -1384,7 +1384,7 @@ def _band(keep: torch.Tensor) -> tuple[int | None, int | None] | bool | None:
     if not bool(k.any()):
         return None
     n, m = k.shape
-    d = torch.arange(m).view(1, m) - torch.arange(n).view(n, 1)
+    d = torch.arange(m, device=k.device).view(1, m) - torch.arange(n, device=k.device).view(n, 1)
     lo, hi = int(d[k].min()), int(d[k].max())
     if not bool((k == ((d >= lo) & (d <= hi))).all()):
         return None
