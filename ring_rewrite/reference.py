@@ -149,16 +149,15 @@ def reference_rows(
     ``q (B, Hq, L, D)`` holds only those rows' queries and ``k``, ``v`` every key: float64,
     differentiable. A row depends on its own query alone, so its out and dq are exact from
     ``q``'s rows (how ``benchmarks/gpu.py`` checks sequences too long for the whole reference).
-    Time and memory O(L x N)."""
+    Only the keys the rows connect to are cast to float64. Time and memory O(L x N)."""
     n, hq, stop = k.shape[2], q.shape[1], start + q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     branches = [(n, 1)] if segment_lengths is None else list(zip(segment_lengths, dilation_rates))
-    q, k, v = q.double(), k.double(), v.double()
-    k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
-    keys = stop if is_causal else n
+    keys = stop if is_causal else n  # causal: no key after the last row is connected
     counts = _counts(start, stop, keys, hq, branches, is_causal=is_causal, device=q.device)
     used = (counts.amax(dim=(0, 1)) > 0).nonzero().squeeze(1)
-    return _attend(q, k[:, :, used], v[:, :, used], counts[:, :, used], None, scale)
+    k, v = (x[:, :, used].double().repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
+    return _attend(q.double(), k, v, counts[:, :, used], None, scale)
 
 
 def _counts(

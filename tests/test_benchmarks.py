@@ -105,11 +105,13 @@ def test_decode_setup_and_byte_counts():
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_flex_baseline_is_the_same_function(causal):
     """benchmarks/gpu.py's FlexAttention spelling of LongNet (``score_mod`` adds ``log c``, the
-    block mask keeps ``c > 0``), forward on CPU (FlexAttention has no CPU backward)."""
+    block mask keeps ``c > 0``), forward on CPU (FlexAttention has no CPU backward), eager (the
+    compiled path it takes on the GPU compiles for half a minute here: ``gpu.py --device cpu``
+    checks that one)."""
     segments, rates, n = [16, 32, 64, 256], [1, 2, 4, 8], 256
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, n, 16) for _ in range(3))
-    out = gpu.flex_longnet(segments, rates, causal, n, 8, "cpu")(q, k, v)
+    out = gpu.flex_longnet(segments, rates, causal, n, 8, "cpu", compiled=False)(q, k, v)
     ref = reference_attention(q, k, v, segment_lengths=segments, dilation_rates=rates, is_causal=causal)
     assert rel_err(out, ref) < 1e-5
 
@@ -129,3 +131,58 @@ def test_reference_rows_are_the_references_rows(segments, rates, causal):
         got = reference_rows(q_rows, k2, v2, start, segment_lengths=segments, dilation_rates=rates, is_causal=causal)
         (got_dq,) = torch.autograd.grad(got, (q_rows,), dout[:, :, rows])
         assert torch.allclose(got, ref[:, :, rows], atol=1e-12) and torch.allclose(got_dq, dq[:, :, rows], atol=1e-12)
+
+
+def _raise(error: Exception):
+    def attend(q, k, v):
+        raise error
+
+    return attend
+
+
+def test_gpu_cells_are_isolated_and_checked_before_timed():
+    """``gpu.run_cell`` on CPU: a right variant is checked and timed; a wrong one fails its check
+    and is not timed; one that raises, or runs out of memory, is recorded and nothing raises."""
+    import argparse
+
+    opts = argparse.Namespace(device="cpu", repeats=1)
+    cells = {
+        "eager": lambda: gpu.eager,
+        "wrong": lambda: lambda q, k, v: q + 0 * (k + v),
+        "raises": lambda: _raise(ValueError("bad\nsecond line")),
+        "oom": lambda: _raise(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate")),
+    }
+    rows = {name: gpu.run_cell(gpu.Variant(name, make), 64, torch.float32, opts) for name, make in cells.items()}
+    assert rows["eager"]["ok"] and max(rows["eager"]["errors"].values()) < 1e-5 and rows["eager"]["median_s"] > 0
+    assert not rows["wrong"]["ok"] and "median_s" not in rows["wrong"]
+    assert rows["raises"]["raised"] == "ValueError: bad" and not rows["raises"]["oom"]
+    assert rows["oom"]["raised"] == "OOM" and rows["oom"]["oom"]
+    gpu.add_shares(list(rows.values()))
+    assert "FAILED check" in gpu.table(list(rows.values()))
+
+
+def test_gpu_sizes_and_targets():
+    """``--quick`` sizes (fp32 at the smallest N only), and the targets read at 128k bf16, else
+    at the largest N ours was timed at, n/a where a number is missing."""
+    import argparse
+
+    quick = argparse.Namespace(seq=None, quick=True)
+    assert gpu.sizes(quick, "bf16") == [32768, 131072] and gpu.sizes(quick, "fp32") == [32768]
+    assert gpu.sizes(argparse.Namespace(seq=[8192, 4096], quick=True), "fp32") == [4096]
+
+    def row(variant, n, median_s, exact=False, peak=4.0):
+        return {"variant": variant, "n": n, "dtype": "bfloat16", "exact": exact, "ok": True,
+                "median_s": median_s, "tflops": 1 / median_s, "peak_q_sized": peak}  # fmt: skip
+
+    rows = [row("ours", 32768, 1.0), row("flex", 32768, 3.0), row("dense (flash)", 32768, 0.5, exact=True),
+            row("ours", 65536, 2.0, peak=7.0)]  # fmt: skip
+    gpu.add_shares(rows)
+    speedup, share, peak = gpu.targets(rows)
+    assert "N=65536" in speedup["line"] and speedup["met"] is None  # flex not timed there
+    assert share["met"] is None and peak["value"] == 7.0 and peak["met"] is False
+    rows.append(row("flex", 131072, 5.0))
+    rows.append(row("ours", 131072, 2.0))
+    rows.append(row("dense (flash)", 131072, 1.0, exact=True))
+    gpu.add_shares(rows)
+    speedup, share, peak = gpu.targets(rows)
+    assert speedup["value"] == 2.5 and speedup["met"] and share["value"] == 50.0 and share["met"] is False
