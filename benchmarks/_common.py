@@ -57,6 +57,16 @@ def median_time(
     return {"median_s": statistics.median(times), "times_s": times, "between": seen}
 
 
+def cuda_seconds(fn: Callable[[], Any]) -> float:
+    """Seconds of one ``fn()`` on the current CUDA stream, between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """This process's float32 ``torch.mm`` rate (GFLOP/s) at the current thread count: the peak
     that attention's useful FLOP/s are compared against."""

@@ -226,12 +226,7 @@ def _time_step(fn, q, k, v, dout, device) -> float:
         t0 = time.perf_counter()
         _step(fn, q, k, v, dout)
         return time.perf_counter() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    _step(fn, q, k, v, dout)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return _common.cuda_seconds(lambda: _step(fn, q, k, v, dout))
 
 
 def _peak(fn, q, k, v, dout) -> float:

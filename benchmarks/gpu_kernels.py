@@ -88,15 +88,7 @@ def _time(fn, repeats: int) -> float:
     """Median seconds of ``fn()`` between CUDA events, after three warm-up calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return statistics.median(_common.cuda_seconds(fn) for _ in range(repeats))
 
 
 def _measure(name, case, q, k, v, dout, scale, repeats) -> dict:

@@ -330,11 +330,14 @@ def _zero_empty_rows(out: torch.Tensor, lse: torch.Tensor, dv: int) -> torch.Ten
     return out[..., :dv].masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)
 
 
-def _per_kv_head_grad(g: torch.Tensor, hkv: int, channels: int) -> torch.Tensor:
-    g = g[..., :channels]
-    if g.shape[1] != hkv:
-        g = g.unflatten(1, (hkv, -1)).sum(2)
-    return g.contiguous()
+def _cut_grads(grads, q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused kernel's ``dq, dk, dv`` as the entry returns them: head sizes cut back from their
+    padding, dk / dv summed per K/V head where the kernel saw them repeated, contiguous."""
+    result = []
+    for g, x in zip(grads, (q, k, v)):
+        g = g[..., : x.shape[-1]]
+        result.append((g if g.shape[1] == x.shape[1] else _per_kv_head(g, x.shape[1])).contiguous())
+    return tuple(result)
 
 
 def _no_rng(q: torch.Tensor, shape=()) -> torch.Tensor:
@@ -353,7 +356,6 @@ def _efficient_forward(q, k, v, bias, scale, is_causal):
 
 
 def _efficient_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
-    hkv, d, dv = k.shape[1], q.shape[-1], v.shape[-1]
     qp, kp, vp = _cuda_inputs(q, k, v)
     dout, out = (_sdpa_layout(_pad_last(x, vp.shape[-1])) for x in (dout, out))
     lse = F.pad(lse.float(), (0, -lse.shape[-1] % _CUDA_LSE_ROWS))
@@ -362,7 +364,7 @@ def _efficient_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
         dout, qp, kp, vp, _cuda_bias(bias, qp, kp), out, lse, seed, offset, 0.0,
         [True, True, True, False], is_causal, scale=scale,
     )  # fmt: skip
-    return dq[..., :d].contiguous(), _per_kv_head_grad(dk, hkv, d), _per_kv_head_grad(dvv, hkv, dv)
+    return _cut_grads((dq, dk, dvv), q, k, v)
 
 
 def _flash_forward(q, k, v, bias, scale, is_causal):
@@ -373,7 +375,6 @@ def _flash_forward(q, k, v, bias, scale, is_causal):
 
 
 def _flash_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
-    hkv, d, dv = k.shape[1], q.shape[-1], v.shape[-1]
     qp, kp, vp = _cuda_inputs(q, k, v, same_size=True, repeat_heads=False)
     dout, out = (_pad_last(_unit_stride(x), vp.shape[-1]) for x in (dout, out))
     length, keys = q.shape[2], k.shape[2]
@@ -381,7 +382,7 @@ def _flash_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
         dout, qp, kp, vp, out, lse.float().contiguous(), None, None, length, keys, 0.0, is_causal,
         _no_rng(q, (2,)), _no_rng(q), scale=scale,
     )  # fmt: skip
-    return dq[..., :d].contiguous(), _per_kv_head_grad(dk, hkv, d), _per_kv_head_grad(dvv, hkv, dv)
+    return _cut_grads((dq, dk, dvv), q, k, v)
 
 
 def _cudnn_forward(q, k, v, bias, scale, is_causal):
@@ -395,7 +396,6 @@ def _cudnn_forward(q, k, v, bias, scale, is_causal):
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
-    hkv, d, dv = k.shape[1], q.shape[-1], v.shape[-1]
     qp, kp, vp = _cuda_inputs(q, k, v, repeat_heads=False)
     dout, out = (_pad_last(_unit_stride(x), vp.shape[-1]).contiguous() for x in (dout, out))
     length, keys = q.shape[2], k.shape[2]
@@ -403,7 +403,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
         dout, qp, kp, vp, out, lse.float().unsqueeze(-1).contiguous(), _no_rng(q), _no_rng(q),
         None, None, None, length, keys, 0.0, is_causal, scale=scale,
     )  # fmt: skip
-    return dq[..., :d].contiguous(), _per_kv_head_grad(dk, hkv, d), _per_kv_head_grad(dvv, hkv, dv)
+    return _cut_grads((dq, dk, dvv), q, k, v)
 
 
 def _fused_half_serves(q, k, v, bias, is_causal, max_head: int) -> bool:

@@ -440,14 +440,8 @@ class _Started:
     sends: tuple
     """``(message index, shape, dtype)`` of each message sent."""
     recvs: tuple
-    device: str
-    """Where the messages live: ``cpu`` (gloo) or ``cuda`` (NCCL), as recovery must post them."""
-
-
-def _device(started: _Started) -> torch.device:
-    if started.device == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(started.device)
+    device: torch.device
+    """Where the messages live (a CUDA device: NCCL), as recovery must post them."""
 
 
 _GROUPS: dict[str, _GroupState] = {}
@@ -727,12 +721,12 @@ def _recover(group, group_name, state, previous: dict, leftover: list, timeout: 
             wire = _wire(t.call, t.tag)
             if t.send_to == me:  # sent to us, never received: receive it and drop it
                 ops += [
-                    _p2p(dist.irecv, torch.empty(shape, dtype=dtype, device=_device(t)), group, peer, 8 * wire + i)
+                    _p2p(dist.irecv, torch.empty(shape, dtype=dtype, device=t.device), group, peer, 8 * wire + i)
                     for i, shape, dtype in t.sends
                 ]
             if t.recv_from == me:  # waits for us, never sent: send zeros
                 ops += [
-                    _p2p(dist.isend, torch.zeros(shape, dtype=dtype, device=_device(t)), group, peer, 8 * wire + i)
+                    _p2p(dist.isend, torch.zeros(shape, dtype=dtype, device=t.device), group, peer, 8 * wire + i)
                     for i, shape, dtype in t.recvs
                 ]
     on_stream = bool(ops) and _on_stream(ops[0].tensor)
@@ -954,7 +948,7 @@ def _start(
     _state(group_name).started[call, tag] = _Started(
         call, tag, send_to, recv_from,
         tuple((i, tuple(x.shape), x.dtype) for i, x in sends),
-        tuple((i, tuple(x.shape), x.dtype) for i, x in recvs), sent[0].device.type,
+        tuple((i, tuple(x.shape), x.dtype) for i, x in recvs), sent[0].device,
     )  # fmt: skip
     counters["ring_rewrite"]["bytes_sent"] += sum(x.numel() * x.element_size() for x in sent)
     return key
