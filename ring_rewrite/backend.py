@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import recompiles
+from . import inductor_fixes, recompiles
 from .config import RingDilatedConfig
 from .p2p import inductor_lowering
 from .passes import check_disabled, run_passes
@@ -72,6 +72,7 @@ def _lower(gm: fx.GraphModule, example_inputs: list[Any], compiler: str):
         return aot_eager(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
+    inductor_fixes.install()
     return compile_fx(gm, example_inputs, config_patches=_inductor_patches())
 
 
@@ -81,7 +82,8 @@ def _inductor_patches() -> dict[str, Any]:
 
     The patch's ``post_grad_custom_post_pass`` changes nothing; its ``uuid`` keys inductor's FX
     graph cache (and AOT autograd's) to the ring's lowering, so code compiled under another
-    lowering is never reused. Where the user set ``post_grad_custom_post_pass`` too, theirs run
+    lowering is never reused; so does ``inductor_fixes.cache_key()``'s, to our corrections of
+    inductor (Note [Inductor's loop split]). Where the user set ``post_grad_custom_post_pass`` too, theirs run
     first, then ours: the key hashes every pass's ``uuid`` (a pass without one turns the cache
     off), so it changes with our lowering and with theirs, whichever inductor options they set.
     """
@@ -91,9 +93,8 @@ def _inductor_patches() -> dict[str, Any]:
     patches = dict(inductor_lowering())
     ours = patches["post_grad_custom_post_pass"]
     theirs = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
-    theirs = tuple(p for p in theirs if p is not ours)
-    if theirs:
-        patches["post_grad_custom_post_pass"] = (*theirs, ours)
+    theirs = tuple(p for p in theirs if p is not ours and p is not inductor_fixes.cache_key())
+    patches["post_grad_custom_post_pass"] = (*theirs, ours, inductor_fixes.cache_key())
     return patches
 
 

@@ -20,7 +20,7 @@ RUNTIME = {
     "attention", "config", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "ops", "p2p",
     "program", "reference", "roles", "schedule",
 }  # fmt: skip
-FRONT = {"__init__", "backend", "cache", "recompiles", "report", "scale", "testing", "pytest_plugin"}
+FRONT = {"__init__", "backend", "cache", "inductor_fixes", "recompiles", "report", "scale", "testing", "pytest_plugin"}
 LAYERS = {"runtime": 0, "passes": 1, "front": 2}
 
 

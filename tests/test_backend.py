@@ -248,6 +248,7 @@ def test_a_users_post_grad_pass_runs_and_the_cache_still_keys_on_the_ring_loweri
     from torch._inductor.utils import fresh_cache
 
     from ring_rewrite.backend import _inductor_patches
+    from ring_rewrite.inductor_fixes import cache_key
     from ring_rewrite.p2p import inductor_lowering
 
     ran = []
@@ -260,7 +261,7 @@ def test_a_users_post_grad_pass_runs_and_the_cache_still_keys_on_the_ring_loweri
             return b"theirs"
 
     ours, theirs = inductor_lowering()["post_grad_custom_post_pass"], Theirs()
-    assert _inductor_patches()["post_grad_custom_post_pass"] is ours
+    assert _inductor_patches()["post_grad_custom_post_pass"] == (ours, cache_key())
 
     def compile_and_run():
         torch._dynamo.reset()
@@ -269,7 +270,7 @@ def test_a_users_post_grad_pass_runs_and_the_cache_still_keys_on_the_ring_loweri
         return len(ran)
 
     with fresh_cache(), inductor_config.patch(post_grad_custom_post_pass=theirs, fx_graph_cache=True):
-        assert _inductor_patches()["post_grad_custom_post_pass"] == (theirs, ours)
+        assert _inductor_patches()["post_grad_custom_post_pass"] == (theirs, ours, cache_key())
         compiled = compile_and_run()
         assert compiled > 0  # their pass ran
         assert compile_and_run() == compiled  # the same key: a cache hit, nothing compiled

@@ -505,6 +505,40 @@ def test_block_causal_matches_reference(segs, rates, compiler):
     _check_documents(block_causal, _left_pad(2, 48), segs, rates, compiler)
 
 
+def test_ids_of_chunks_that_do_not_divide_the_length_are_whole_under_inductor():
+    """``arange(59) // 14``, the ids the rewrite computes for chunks of 14 over 59 positions:
+    inductor's loop split wrote 56 of them and left 3 stale (Note [Inductor's loop split] in
+    ``ring_rewrite/inductor_fixes.py``). Alone, compiled anew each time, with fresh memory."""
+    import ring_rewrite
+
+    for _ in range(3):
+        torch._dynamo.reset()
+        ids = torch.compile(lambda x: torch.arange(x.shape[-1]).view(1, -1) // 14, backend=ring_rewrite.backend())
+        assert torch.equal(ids(torch.empty(59)), (torch.arange(59) // 14).view(1, -1))
+
+
+@pytest.mark.parametrize("relation", ["chunked", "block-causal"])
+def test_chunks_that_do_not_divide_the_length_match_sdpa_at_every_compile(relation):
+    """Chunks of 14 over 59 positions, ids built in the graph (Llama 4's chunked attention, a
+    block-causal mask), exact config, under inductor: equal to SDPA's dense mask, compiled three
+    times after ``torch._dynamo.reset()`` (each compile's stale memory differed)."""
+    import ring_rewrite
+
+    def attend(q, k, v):
+        ids = torch.arange(q.shape[2]) // 14
+        allowed = ids[None, :] == ids[:, None] if relation == "chunked" else ids[None, :] <= ids[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+    q, k, v = (torch.randn(1, 2, 59, 16, requires_grad=True) for _ in range(3))
+    expected = attend(*(x.double() for x in (q, k, v)))
+    for _ in range(3):
+        torch._dynamo.reset()
+        backend = ring_rewrite.backend()
+        out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v)
+        assert backend.records[0].rewritten
+        assert rel_err(out, expected) < BOUND
+
+
 # ---- causal OR blocks (a prefix LM, transformers' block_sequence_ids) ----------------------------
 
 

@@ -1,0 +1,79 @@
+"""Corrections to inductor that the code the rewrite emits needs.
+
+Note [Inductor's loop split]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Inductor's C++ scheduler rewrites a pointwise kernel whose index reads ``x // c`` (``c`` an
+integer over 8, ``x`` one of its loop variables) by splitting the loop over ``x`` into ``x = c *
+y + z`` with ``y < size // c`` and ``z < c`` (``CppScheduling.try_loop_split``). In torch 2.13 it
+does so whatever the loop's size: where ``c`` does not divide it, the last ``size % c`` entries
+are never written, and the kernel's output keeps whatever memory it got. ``arange(59) // 14``
+compiles to 56 values and 3 stale ones. Our rewrite computes the ids of chunked and block-causal
+masks that way (``passes/masks.py``: ``t // C`` over the keys), so such a site was silently
+wrong under inductor, differently at each compile, and so is the same expression in any graph.
+
+``install()`` wraps ``try_loop_split`` so that it leaves the kernel as it is (the split is an
+optional optimisation) unless every such division divides its loop's size, a size that is
+provably a multiple of ``c`` when it is a symbol. The wrapper changes what inductor generates,
+so ``cache_key()``'s pass keys inductor's FX graph cache to this file: code compiled without it
+is never reused. ``tests/test_masks.py`` compiles the ids, alone and in a site, several times.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = ["cache_key", "install"]
+
+
+def _divides(nodes: list[Any]) -> bool:
+    """Whether every ``x // c`` (``c`` an integer, ``x`` a loop variable) in the indices of
+    ``nodes`` has ``c`` dividing the size of ``x``'s loop."""
+    import sympy
+    from torch._inductor import ir
+    from torch.utils._sympy.functions import FloorDiv
+
+    for node in nodes:
+        if not isinstance(getattr(node, "node", None), ir.ComputedBuffer):
+            return False
+        _, body, _ = node.node.get_default_sizes_body()
+        ranges = body.var_ranges
+        for expr in body.indexing_exprs.values():
+            if not isinstance(expr, sympy.Expr):
+                continue
+            for div in expr.find(FloorDiv):
+                x, c = div.args
+                if x in ranges and isinstance(c, sympy.Integer) and sympy.Mod(ranges[x], c) != 0:
+                    return False
+    return True
+
+
+@functools.cache
+def install() -> None:
+    """Make inductor's loop split leave a kernel alone where it would drop the loop's tail
+    (Note [Inductor's loop split]). Idempotent."""
+    from torch._inductor.codegen.cpp import CppScheduling
+
+    split = CppScheduling.try_loop_split
+
+    @functools.wraps(split)
+    def try_loop_split(self, nodes):
+        return split(self, nodes) if _divides(nodes) else nodes
+
+    CppScheduling.try_loop_split = try_loop_split
+
+
+@functools.cache
+def cache_key() -> Any:
+    """A post-grad pass that changes nothing, whose uuid keys inductor's FX graph cache to this
+    file (Note [Inductor's loop split])."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class _Key(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            pass
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__,))
+
+    return _Key()
