@@ -53,8 +53,17 @@ from .kernels import block_kernel, dropout_backward, dropout_forward
 
 __all__ = [
     "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "dilated_block_attention",
-    "dilated_block_backward", "documents", "stat_dtype", "undilate_add", "write_heads",
+    "dilated_block_backward", "documents", "masked_fills", "stat_dtype", "undilate_add", "write_heads",
 ]  # fmt: skip
+
+
+def masked_fills(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``bias`` (of ``dtype``; a proxy while traced) with every value at or below half the
+    dtype's lowest as ``-inf``: a fill of
+    ``finfo(dtype).min`` (transformers' float masks) masks as ``-inf`` does, also in a row with
+    nothing left to attend, which then attends to nothing (docs/semantics.md, Masks). The same
+    floor reads a row's own bias (``_row_chunks``)."""
+    return bias.masked_fill(bias <= torch.finfo(dtype).min / 2, float("-inf"))
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -680,3 +680,40 @@ def test_alibi_key_bias_is_as_accurate_as_the_dense_bias_at_length():
     errors = [rel_err(a, b) for a, b in zip((out, *torch.autograd.grad(out, (q, k, v), dout)), expected)]
     assert backend.records[0].plan.recentred
     assert all(e <= 2 * d for e, d in zip(errors, dense_errors)), (errors, dense_errors)
+
+
+def _given_min_fill(q, pad):
+    """A float key-padding mask as it is given: 0 or ``finfo.min``."""
+    return torch.zeros(pad.shape, dtype=q.dtype).masked_fill(~pad, torch.finfo(q.dtype).min)[:, None, None, :]
+
+
+def _bert_min_fill(q, pad):
+    """BERT's extended mask, a key bias ``(1 - pad) * finfo.min`` read from the graph."""
+    return (1.0 - pad[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+
+
+@pytest.mark.parametrize("build", [_given_min_fill, _bert_min_fill], ids=["given", "bert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finfo_min_fills_mask_as_minus_inf_where_a_segment_holds_only_masked_keys(build, dtype):
+    """A dilated config; keys 16 to 31 masked with ``finfo.min``: rows 17, 19, .., 31 sit on no
+    lattice of the rate-2 branch, so their only keys are masked ones and they attend to nothing
+    (0, no gradient), as the same mask with ``-inf`` gives; forward and backward, inductor."""
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    n, segs, rates = 64, [16, 64], [1, 2]
+    pad = torch.ones(2, n, dtype=torch.bool)
+    pad[:, 16:32] = False
+    pad[1, 40:44] = False
+    q, k, v = (torch.randn(2, 2, n, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 2, n, 8, dtype=dtype)
+    masked = torch.zeros(2, 1, 1, n, dtype=torch.float64).masked_fill(~pad[:, None, None, :], float("-inf"))
+    ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=masked)
+    expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates)
+    attend = torch.compile(lambda q, k, v, pad: F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, pad)),
+                           backend=backend, fullgraph=True)  # fmt: skip
+    out = attend(q, k, v, pad)
+    got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
+    assert backend.records[0].rewritten
+    assert max(rel_err(a, b) for a, b in zip(got, expected)) < (BOUND if dtype == torch.float32 else 1e-12)
