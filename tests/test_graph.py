@@ -199,7 +199,12 @@ def _one_query_head(q, k, v):
     return F.scaled_dot_product_attention(q[:, :1], k, v)
 
 
+def _empty(q, k, v):
+    return F.scaled_dot_product_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], is_causal=True)
+
+
 UNSUPPORTED = [
+    pytest.param(_empty, "an empty input (q (1, 2, 0, 8)", id="empty"),
     pytest.param(_dense_mask, "dense attn_mask of shape (32, 32) that depends on", id="dense-mask"),
     pytest.param(_cross_attention, "query length 16 != key/value length 32", id="cross-attention"),
     pytest.param(_three_d, "3-D", id="three-d"),
@@ -403,3 +408,15 @@ def test_sites_with_one_plan_share_one_body():
     summaries = cap.diff().sites
     assert [s.attention for s in summaries] == [(2, 2)] * 4
     assert summaries[0].added_by_role == summaries[1].added_by_role
+
+
+@pytest.mark.parametrize("options", [{}, {"segment_lengths": [16], "dilation_rates": [1]}], ids=["exact", "dilated"])
+def test_an_empty_sequence_returns_sdpas_empty_result(options):
+    """N = 0: the site is left alone, and the compiled call returns SDPA's empty ``(B, H, 0, D)``
+    and its empty gradients, under inductor."""
+    q, k, v = (torch.randn(2, 3, 0, 8, requires_grad=True) for _ in range(3))
+    attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                           backend="ring_dilated", options=options)  # fmt: skip
+    out = attend(q, k, v)
+    assert out.shape == (2, 3, 0, 8)
+    assert all(g.shape == (2, 3, 0, 8) for g in torch.autograd.grad(out.sum(), (q, k, v)))
