@@ -501,6 +501,10 @@ def mask_structure(mask: fx.Node, n: int, *, specialise: bool = True) -> MaskStr
         return "dense attn_mask with more than one document id or position tensor"
     documents, relation = parts.documents[0] if parts.documents else (None, "eq")
     positions = parts.positions[0] if parts.positions else None
+    if positions is not None and documents is None:
+        # A band over position values is a band over the keys only where they count up by one:
+        # one document, whose check runs at every call (``ops.documents``; raises otherwise).
+        documents = Const(0)
     return MaskStructure(
         lo, hi, tuple(parts.keys), tuple(parts.biases), full,
         documents=documents, relation=relation, positions=positions, blocks=parts.blocks,

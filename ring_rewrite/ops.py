@@ -416,7 +416,9 @@ def documents(docs: torch.Tensor, shift: torch.Tensor | None, where: str) -> tor
             raise ValueError(
                 f"ring_rewrite: the mask of the site at {where} compares position values that do "
                 "not step by one within a document (position_ids of a packed sequence must count "
-                "up by one inside each sequence); its structure does not hold for these inputs"
+                "up by one inside each sequence); its structure does not hold for these inputs. A "
+                "mask that compares other per-token values so is read as a band over positions: "
+                "pass it to the compiled function as a tensor, where it is left alone"
             )
     return docs.clone()
 

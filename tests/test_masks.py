@@ -717,3 +717,26 @@ def test_finfo_min_fills_mask_as_minus_inf_where_a_segment_holds_only_masked_key
     got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
     assert backend.records[0].rewritten
     assert max(rel_err(a, b) for a, b in zip(got, expected)) < (BOUND if dtype == torch.float32 else 1e-12)
+
+
+def test_a_band_over_values_given_as_inputs_is_checked_at_every_call():
+    """``pos[t] <= pos[p]`` with ``pos`` an input is read as causal over position values: right
+    where they count up by one (one document), and each call with values that do not (block ids,
+    all equal, counting down) raises naming the site, never a band over other values; inductor."""
+    import ring_rewrite
+
+    n = 32
+    q, k, v = (torch.randn(2, 2, n, 8, requires_grad=True) for _ in range(3))
+    backend = ring_rewrite.backend()
+
+    def attend(q, k, v, pos):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pos[:, None, None, :] <= pos[:, None, :, None])
+
+    compiled = torch.compile(attend, backend=backend)
+    pos = torch.arange(n).expand(2, n) + 3
+    expected = attend(*(x.double() for x in (q, k, v)), pos)
+    assert rel_err(compiled(q, k, v, pos), expected) < BOUND
+    assert backend.records[0].rewritten
+    for pos in (torch.arange(n).expand(2, n) // 4, torch.zeros(2, n, dtype=torch.long), torch.arange(n).flip(0)[None]):
+        with pytest.raises(ValueError, match="compares position values that do not step by one"):
+            compiled(q, k, v, pos.expand(2, n))
