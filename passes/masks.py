@@ -970,7 +970,7 @@ def key_mask(
     for e in structure.biases:
         bias = bias + _evaluate(e, index, tensors, numbers)
     lead = (b if _B in _uses(structure) else 1, h if _H in _uses(structure) else 1)
-    return bias.expand(*lead, 1, n).reshape(*lead, n)
+    return bias.type_as(like).expand(*lead, 1, n).reshape(*lead, n)
 
 
 def key_values(structure: MaskStructure, e, *data: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -1099,5 +1099,9 @@ def _evaluate(e, index: dict, tensors: dict, numbers: dict | None = None):
         cond, yes, no = args
         if isinstance(cond, bool):
             return yes if cond else no
+        if all(isinstance(x, (int, float)) for x in (yes, no)) and float in (type(yes), type(no)):
+            # NOTE: of two numbers torch.where makes a float32 tensor, which float64's finfo.min
+            # overflows (transformers' fill in a float64 model): float64 holds either dtype's.
+            yes, no = (torch.full_like(cond, x, dtype=torch.float64) for x in (yes, no))
         return torch.where(cond, yes, no)
     raise AssertionError(e.name)

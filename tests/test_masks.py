@@ -354,15 +354,18 @@ def _packed(b: int, n: int) -> torch.Tensor:
 
 
 def _check_documents(
-    build, data, segs, rates, compiler, *, world=1, rank=0, n=48, sharding="replicated", layout="contiguous"
+    build, data, segs, rates, compiler, *, world=1, rank=0, n=48, sharding="replicated", layout="contiguous",
+    dtype=torch.float32, documents=True,
 ):  # fmt: skip
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, n, 8, requires_grad=True) for _ in range(3))
-    dout = torch.randn(2, 4, n, 8)
-    mask = build(torch.empty(2, 1, n, 1), data)
+    q, k, v = (torch.randn(2, 4, n, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 4, n, 8, dtype=dtype)
+    mask = build(torch.empty(2, 1, n, 1, dtype=dtype), data)
+    if mask.is_floating_point():  # what a fill at the dtype's lowest means (docs/masks.md)
+        mask = mask.double().masked_fill(mask <= torch.finfo(dtype).min / 2, float("-inf"))
     ref = reference_attention(q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=mask)
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
     torch._dynamo.reset()
@@ -381,9 +384,9 @@ def _check_documents(
     out = torch.compile(attend, backend=backend, fullgraph=True)(*inputs, data)
     grads = torch.autograd.grad(out, inputs, dout)
     errors = [rel_err(a, b) for a, b in zip((out, *grads), expected)]
-    assert max(errors) < BOUND, (rank, build.__name__, segs, sharding, layout, errors)
+    assert max(errors) < (BOUND if dtype == torch.float32 else 1e-12), (rank, build.__name__, segs, sharding, layout, errors)
     (record,) = backend.records
-    assert record.rewritten and record.plan.documents and record.plan.world == world
+    assert record.rewritten and bool(record.plan.documents) == documents and record.plan.world == world
 
 
 def chunked(q, pad):
@@ -740,3 +743,22 @@ def test_a_band_over_values_given_as_inputs_is_checked_at_every_call():
     for pos in (torch.arange(n).expand(2, n) // 4, torch.zeros(2, n, dtype=torch.long), torch.arange(n).flip(0)[None]):
         with pytest.raises(ValueError, match="compares position values that do not step by one"):
             compiled(q, k, v, pos.expand(2, n))
+
+
+def _causal_and_padding_min_fill(q, pad):
+    """A float64 model's mask as transformers fills it: ``finfo(float64).min`` where causal or
+    padding masks, the two parts added."""
+    n, lowest = q.shape[2], torch.finfo(q.dtype).min
+    i = torch.arange(n)
+    causal = torch.zeros(n, n, dtype=q.dtype).masked_fill(i[None, :] > i[:, None], lowest)
+    padding = torch.zeros(pad.shape, dtype=q.dtype).masked_fill(~pad, lowest)[:, None, None, :]
+    return causal[None, None] + padding
+
+
+@pytest.mark.parametrize("segs, rates", [(None, None), ([8, 32], [1, 2])], ids=["exact", "dilated"])
+def test_float64_masks_at_the_dtypes_lowest_run(segs, rates):
+    """``finfo(float64).min`` fills (a key bias and a causal part) compile and equal the float64
+    reference of the same mask with ``-inf``; they overflowed a float32 scalar in the graph."""
+    _check_documents(
+        _causal_and_padding_min_fill, _left_pad(2, 48), segs, rates, "inductor", dtype=torch.float64, documents=False
+    )
