@@ -270,6 +270,10 @@ def require(errors: dict[str, float], what: str) -> None:
 # ---- the record ------------------------------------------------------------------------------
 
 
+# The vector ISAs a CPU kernel's speed depends on, as /proc/cpuinfo names them (recorded if present).
+ISAS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "avx2", "fma", "avx", "sse4_2", "asimd", "sve")
+
+
 def machine(threads: int | None = None) -> dict[str, Any]:
     """Where and on what the numbers were taken (read before the run: the commit measured)."""
 
@@ -281,16 +285,19 @@ def machine(threads: int | None = None) -> dict[str, Any]:
 
     head = git("rev-parse", "HEAD")
     dirty = git("diff", "--quiet", "HEAD", "--")  # exit 1 when tracked files differ from HEAD
-    cpu = None
+    cpu, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu, flags = info.get("model name"), set(info.get("flags", "").split())
     except OSError:
         pass
     return {
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu": cpu,
+        "isa": [isa for isa in ISAS if isa in flags],
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "threads": threads,
@@ -304,9 +311,18 @@ def verdict(met: bool | None) -> str:
     return "n/a" if met is None else ("met" if met else "NOT met")
 
 
+def described(record: dict[str, Any]) -> str:
+    """One line naming the CPU a ``machine()`` record was taken on, for the tables."""
+    threads = f", {record['threads']} threads" if record.get("threads") else ""
+    return f"CPU: {record.get('cpu')} ({' '.join(record.get('isa') or []) or 'no vector ISA read'}){threads}, torch {record.get('torch')}"
+
+
 def write_json(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record``; where it holds a ``machine`` record, the CPU it names is printed with the table."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
+    if isinstance(record.get("machine"), dict):
+        print(described(record["machine"]))
     print(f"wrote {_shown(path)}")
 
 
