@@ -72,11 +72,11 @@ def decode_attention(
         # Less each row's largest value (a constant of the row: the same softmax), a bias that
         # grows with the position (ALiBi's slope_h * t) adds what the dense slope_h * (t - p)
         # adds (Note [Recentred key biases] in attention.py); fills at or below half the lowest
-        # value mask and are passed over.
+        # value mask as -inf does, also in a row they mask whole (it attends to nothing).
         bias = bias.to(acc)
-        floor = _FLOOR
-        top = torch.where(bias > floor, bias, float("-inf")).amax(-1, keepdim=True)
-        scores = scores + (bias - torch.where(top > floor, top, 0.0))
+        bias = torch.where(bias > _FLOOR, bias, float("-inf"))
+        top = bias.amax(-1, keepdim=True)
+        scores = scores + (bias - torch.where(top > _FLOOR, top, 0.0))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)  # a row with nothing to attend: zeros
     probs = torch.exp(scores - top)

@@ -36,6 +36,25 @@ def test_decode_rows_are_the_last_rows_of_the_function(segs, rates, m, masked):
         assert rel_err(out, ref[:, :, -m:]) < 1e-5
 
 
+@pytest.mark.parametrize("segs, rates", CONFIGS, ids=["exact", "two-branches", "three-branches"])
+def test_decode_fills_at_the_dtypes_lowest_mask_as_minus_inf(segs, rates):
+    """A key bias of ``finfo.min`` masks as ``-inf`` does, also in a row it masks whole (a
+    branch's segment of padding only, or every key): that row attends to nothing, 0."""
+    b, hq, hkv, n, d = 2, 4, 2, 37, 8
+    q, k, v = torch.randn(b, hq, 1, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    keep = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    keep[0, ..., 16:] = False  # the last row's segment of 8 or 16 keys is all padding
+    keep[1] = False  # every key
+    branches = [(1 << 62, 1)] if segs is None else list(zip(segs, rates))
+    out = [
+        decode_attention(q, k, v, torch.zeros(keep.shape).masked_fill(~keep, fill), branches=branches, scale=0.3,
+                         is_causal=False)  # fmt: skip
+        for fill in (float("-inf"), torch.finfo(torch.float32).min)
+    ]
+    assert torch.equal(out[0], out[1])
+    assert not out[1][1].any()
+
+
 def test_decode_with_alibi_at_length_is_as_accurate_as_the_dense_bias():
     """ALiBi's key bias ``slope_h * t`` reaches 2,048 at 8,192 tokens: a decode row adds it less
     its largest value, so it is as accurate as the dense ``slope_h * (t - p)`` (a float32 score
