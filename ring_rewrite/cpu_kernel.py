@@ -54,8 +54,10 @@ or inf. Where each path makes it so:
   merge keeps a NaN on either side. Its products skip the pairs past the diagonal whose other
   factor is not finite, each checked once a tile: forward ``P V`` (value rows), backward ``dS K``
   (key rows, zeroed in the tile and added to the rows that see them) and ``dS^T Q`` (the q of a
-  row whose lse is NaN taken as 0: its dS is NaN wherever it sees a key). Finite inputs pay one
-  check of each key tile's rows.
+  row whose lse is NaN taken as 0: its dS is NaN wherever it sees a key). Backward, a key
+  whose inf makes it score ``-inf`` in a row that sees it has P = 0 there exactly (``exp_neg``
+  gives about 1e-38, which would make that row's dq an inf, not NaN). Finite inputs pay one check
+  of each key tile's rows and, per query row, a look at the tile's (empty) list of such keys.
 * aten's kernel (float64, a bias, or no C compiler) multiplies within a block, which would reach
   rows before a NaN under ``is_causal`` and rows with nothing to attend. So a block whose inputs
   are not all finite (one sum each tells) runs ``kernels.nonfinite_forward`` /

@@ -1,11 +1,11 @@
 """Non-finite inputs: a NaN, ``+inf`` or ``-inf`` in q, k, v or a float key mask reaches, forward
-and backward, exactly the entries it reaches in the float64 function, and the finite entries stay
-within bound (docs/semantics.md, Accuracy; Note [Non-finite values] in ``ring_rewrite/
-cpu_kernel.py``). Every path: our CPU kernel (blocks read in place and merged there, gathered
-blocks, the local branches' head chunks, backward tasks shared by threads), aten's kernel
-(float64, a mask), the log-sum-exp merges, all under inductor on one process, and the ring
-across 2 gloo ranks under inductor (blocks, merges, the dK/dV sums on their way home, head
-chunks).
+and backward, exactly the entries it reaches in the float64 function (NaN where it is NaN, each
+inf where it is that inf), and the finite entries stay within bound (docs/semantics.md,
+Accuracy; Note [Non-finite values] in ``ring_rewrite/cpu_kernel.py``). Every path: our CPU kernel
+(blocks read in place and merged there, gathered blocks, the local branches' head chunks,
+backward tasks shared by threads), aten's kernel (float64, a mask), the log-sum-exp merges, all
+under inductor on one process, and the ring across 2 gloo ranks under inductor (blocks, merges,
+the dK/dV sums on their way home, head chunks).
 
 The float64 function is evaluated pair by pair (``_pairs_reference``), not as
 ``reference_attention`` does it: that one multiplies dense matrices, so where a pair is not
@@ -93,16 +93,22 @@ def _expected(q, k, v, dout, mask=None, **function):
 
 
 def _mismatches(label: str, got, expected, tol: float) -> list[str]:
-    """What differs: the entries that are not finite, or the finite ones beyond ``tol``."""
+    """What differs: the entries that are NaN, ``+inf`` or ``-inf`` (each exactly where the
+    reference has it: an inf where the reference has NaN is a product that took a nonzero for its
+    0), or the finite ones beyond ``tol``."""
     found = []
     for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
-        bad, want = ~torch.isfinite(g), ~torch.isfinite(e)
-        if not torch.equal(bad, want):
-            found.append(
-                f"{label} {name}: {int(bad.sum())} entries not finite where the reference has "
-                f"{int(want.sum())} ({int((bad != want).sum())} differ)"
-            )
-        elif (~want).any() and (err := rel_err(g[~want], e[~want])) >= tol:
+        differ = []
+        for kind, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+            bad, want = test(g), test(e)
+            if not torch.equal(bad, want):
+                differ.append(
+                    f"{label} {name}: {int(bad.sum())} entries {kind} where the reference has "
+                    f"{int(want.sum())} ({int((bad != want).sum())} differ)"
+                )
+        found += differ
+        finite = torch.isfinite(e)
+        if not differ and finite.any() and (err := rel_err(g[finite], e[finite])) >= tol:
             found.append(f"{label} {name}: finite entries off by {err:.1e}")
     return found
 
@@ -173,6 +179,25 @@ def test_pairs_reference_is_reference_attention(config, is_causal, masked):
             sdpa_got = _forward_backward(sdpa, *inputs[:3], dout)
             problems += [f"SDPA: {p}" for p in _mismatches(label, got, sdpa_got, 1e-12)]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("config", [None, DILATED], ids=["exact", "dilated"])
+def test_an_inf_key_scoring_minus_inf(config, is_causal):
+    """``PLACES``' inf in k scores ``-inf`` in some rows that see it (q's sign), where the key drops
+    out: their out is finite, and their dq is NaN (``0 * inf``) in the inf's channel alone. The
+    cases below thus check that every path forms that product."""
+    seg, rates = config or (None, None)
+    function = dict(segment_lengths=seg, dilation_rates=rates, is_causal=is_causal)
+    q, k, v, dout = _inputs(1, 4, 2, 64, 16, 16)
+    head, pos, channel = PLACES["k"]
+    for value in (float("inf"), float("-inf")):
+        k1 = k.clone()
+        k1[0, head, pos, channel] = value
+        out, dq, _, _ = _expected(q, k1, v, dout, **function)
+        dropped = out.isfinite().all(-1) & dq.isnan().any(-1)
+        assert dropped.any(), value
+        assert dq[dropped][:, channel].isnan().all() and dq[dropped].isnan().sum() == dropped.sum(), value
 
 
 # ---- merges --------------------------------------------------------------------------------------

@@ -41,7 +41,9 @@
  * too (a merge keeps it NaN); backward, such a row's P is NaN on every key it sees. A product
  * never multiplies a NaN or inf by the 0 of a pair that is not seen: forward P V skips the
  * value rows past the diagonal that hold one, backward dS K the key rows, and dS^T Q takes the
- * q of a NaN row as 0 (its dS is NaN wherever it sees a key). Each is checked per tile.
+ * q of a NaN row as 0 (its dS is NaN wherever it sees a key). Each is checked per tile. A key
+ * that an inf makes score -inf in a row it is seen by has P = 0 there exactly, so that dS K takes
+ * 0 * inf, NaN, as the function does.
  */
 #include <math.h>
 #include <omp.h>
@@ -351,6 +353,7 @@ static void pair(const struct grads *a, struct scratch *w, int64_t b, int64_t h,
     const float *lrow = w->lrow + g * a->L + m, *dsum = w->dsum + g * a->L + m;
     float *p = w->p, *dp = w->dp, *qr = w->qr, *dor = w->dor;
     int64_t lims[TQ]; /* keys of the tile each row sees */
+    int64_t gone[TK]; /* a row's keys of `bad` that score -inf */
     for (int64_t r = 0; r < TQ; r++) { /* rows past the tile or dead: zero, as are the pads */
         const int live = r < tq && !isinf(lrow[r]);
         /* A row whose lse is NaN (a NaN or inf in its q, or in a key it sees) has P = NaN on every
@@ -369,12 +372,19 @@ static void pair(const struct grads *a, struct scratch *w, int64_t b, int64_t h,
         const int64_t lim = r >= tq || isinf(lrow[r]) ? 0 : seen(a->causal, m + r, n, kb);
         const float l = lim ? lrow[r] : 0.0f, ds = lim ? dsum[r] : 0.0f;
         lims[r] = lim;
+        /* A key holding an inf scores -inf where q's signs make it so, and drops out of the row:
+         * P = 0 there exactly (exp_neg gives about 1e-38), so that dQ = dS K takes 0 * inf, NaN,
+         * in the key's inf channels, as the function does. Finite keys score no -inf. */
+        int64_t ngone = 0;
+        for (int64_t j = 0; j < w->nbad; j++)
+            if (w->bad[j] < lim && pr[w->bad[j]] == -INFINITY) gone[ngone++] = w->bad[j];
 #pragma omp simd
         for (int64_t c = 0; c < lim; c++) {
             const float e = exp_neg(pr[c] - l);
             pr[c] = e;
             dr[c] = e * (dr[c] - ds);
         }
+        for (int64_t j = 0; j < ngone; j++) pr[gone[j]] = 0.0f, dr[gone[j]] = 0.0f;
         for (int64_t c = lim; c < kbp; c++) pr[c] = 0.0f, dr[c] = 0.0f;
     }
     product(kb, Dvp, TQ, p, 1, TK, dor, Dvp, w->dvt, Dvp, 1); /* dV += P^T dO */
