@@ -14,6 +14,8 @@ rewritten site computes is docs/semantics.md; every public name is listed in doc
   ``positions``.
 * Generating from a sharded prompt: ``prefill`` and ``ShardedCache`` (a KV cache that stays
   sharded; they need ``transformers``, imported on first use).
+* Training with Hugging Face ``Trainer``: ``RingTrainer`` and ``ring_trainer`` (context parallel
+  by one argument; they need ``transformers`` and ``accelerate``, imported on first use).
 * Planning and checking: ``explain`` and ``Report`` (what the rewrite did), ``plan`` and
   ``ScalePlan`` (what a config needs per rank at any scale), ``reference_attention`` (the
   float64 reference).
@@ -42,6 +44,7 @@ __all__ = [
     "Report",
     "RingDilatedConfig",
     "RingOutOfStep",
+    "RingTrainer",
     "ScalePlan",
     "ShardedCache",
     "TransferTimeout",
@@ -53,6 +56,7 @@ __all__ = [
     "reference_attention",
     "ring_dilated",
     "ring_dilated_backend",
+    "ring_trainer",
     "shard",
     "shard_batch",
     "unshard",
@@ -67,6 +71,11 @@ def __getattr__(name: str):
         from . import cache
 
         return getattr(cache, name)
+    # NOTE: ring_rewrite/hf.py subclasses transformers' Trainer: the same.
+    if name in ("RingTrainer", "ring_trainer"):
+        from . import hf
+
+        return getattr(hf, name)
     raise AttributeError(f"module 'ring_rewrite' has no attribute {name!r}")
 
 

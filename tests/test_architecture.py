@@ -20,7 +20,9 @@ RUNTIME = {
     "attention", "config", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "ops", "p2p",
     "program", "reference", "roles", "schedule",
 }  # fmt: skip
-FRONT = {"__init__", "backend", "cache", "inductor_fixes", "recompiles", "report", "scale", "testing", "pytest_plugin"}
+FRONT = {
+    "__init__", "backend", "cache", "hf", "inductor_fixes", "recompiles", "report", "scale", "testing", "pytest_plugin",
+}  # fmt: skip
 LAYERS = {"runtime": 0, "passes": 1, "front": 2}
 
 
