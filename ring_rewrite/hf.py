@@ -96,6 +96,18 @@ def _check_args(args: transformers.TrainingArguments, compiler: str) -> transfor
             "RingTrainer: deepspeed and parallelism_config bring their own meshes; leave them unset "
             "(ring=dict(cp=...) builds the (dp, cp) mesh)"
         )
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        raise ValueError(
+            "RingTrainer: activation (gradient) checkpointing puts each layer's attention inside a checkpointed "
+            "region, which the rewrite does not enter; pass activation_checkpointing=False and "
+            "gradient_checkpointing=False (TRL's configs turn it on by default)"
+        )
+    if args.bf16 or args.fp16:
+        raise ValueError(
+            "RingTrainer: bf16 / fp16 autocast gives attention query, key and value of mixed dtypes (the rotary "
+            "embedding's float32 promotes q and k), which the ring refuses; pass bf16=False, fp16=False (TRL's "
+            "configs turn bf16 on by default) and cast the model itself, model.to(torch.bfloat16), instead"
+        )
     if args.label_smoothing_factor:
         raise ValueError(
             "RingTrainer: label_smoothing_factor shifts labels inside a shard; leave it 0 "
@@ -157,6 +169,12 @@ class _RingMixin:
             raise ValueError(
                 f"RingTrainer: {type(model).__name__}.forward takes no loss kwargs (shift_labels, "
                 "num_items_in_batch): its loss over a shard would be the shard's mean, not the sequence's"
+            )
+        checkpointing = getattr(type(model), "is_activation_checkpointing", None)
+        if checkpointing is not None and model.is_activation_checkpointing:
+            raise ValueError(
+                "RingTrainer: the model has activation checkpointing on, which hides its attention from the "
+                "rewrite; call model.gradient_checkpointing_disable()"
             )
         self.ring_backend = make_backend(sharding="sharded", group=self._cp_group, **fields)
         body = getattr(model, "base_model", model)
@@ -231,9 +249,16 @@ class _RingMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if num_items_in_batch is None and not isinstance(inputs, _ShardedBatch) and "labels" in inputs:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
-        return super().compute_loss(
+        result = super().compute_loss(
             model, self._shard(inputs), return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
+        if not any(record.rewritten for record in self.ring_backend.records):
+            # NOTE: a sharded model whose attention the rewrite never saw attends within each shard only.
+            raise RuntimeError(
+                "RingTrainer: the model ran without a rewritten attention site (its body was not compiled, or "
+                f"its attention is out of the rewrite's sight): {self.ring_backend.records or 'no site found'}"
+            )
+        return result
 
     # ---- evaluation: the whole sequence, once per replica -----------------------------------
 
