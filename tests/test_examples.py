@@ -58,6 +58,7 @@ def test_single_process_example(script: str, args: list[str]) -> None:
         ("shard_positions.py", ["--fast"]),  # both layouts
         # aot_eager: the sharded recipe under inductor is test_zoo.py's; here the script itself
         ("finetune_hf.py", ["--fast", "--compiler", "aot_eager"]),
+        ("trainer_hf.py", ["--fast", "--compiler", "aot_eager"]),  # (dp, cp) = (1, 2); inductor: test_trainer.py
     ],
 )
 def test_torchrun_example(script: str, args: list[str]) -> None:
