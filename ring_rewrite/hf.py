@@ -63,13 +63,17 @@ _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"
 #   arithmetic makes the replicas' mean.
 
 
-def _config_and_options(ring: Mapping[str, Any], world: int) -> tuple[int, bool, dict[str, Any]]:
+def _check_ring_keys(ring: Mapping[str, Any]) -> None:
     unknown = sorted(set(ring) - set(_BATCH_KEYS) - set(_CONFIG_KEYS))
     if unknown:
         raise ValueError(
             f"RingTrainer: ring= has no key(s) {unknown}; it takes {list(_BATCH_KEYS)} and the backend's "
             f"{list(_CONFIG_KEYS)} (the group is mesh['cp'] and sharding 'sharded', set by RingTrainer)"
         )
+
+
+def _config_and_options(ring: Mapping[str, Any], world: int) -> tuple[int, bool, dict[str, Any]]:
+    """``cp``, ``buckets`` and the backend's fields from ``ring``, checked."""
     cp = ring.get("cp", world)
     if not isinstance(cp, int) or cp < 1 or world % cp:
         raise ValueError(f"RingTrainer: ring['cp'] = {cp!r} must be a positive divisor of the {world} ranks")
@@ -132,6 +136,7 @@ class _RingMixin:
 
     def __init__(self, *args, ring: Mapping[str, Any] | None = None, **kwargs):
         ring = dict(ring or {})
+        _check_ring_keys(ring)
         compiler = ring.get("compiler", "inductor")
         if len(args) > 1:  # Trainer(model, args, ...)
             args = (args[0], _check_args(args[1], compiler), *args[2:])
@@ -143,6 +148,8 @@ class _RingMixin:
                 "into the model's forward (it gets shift_labels and num_items_in_batch) instead"
             )
         super().__init__(*args, **kwargs)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # set up by accelerate's launcher
+            raise ValueError("RingTrainer: FSDP and DeepSpeed are not supported; launch with torchrun (DDP)")
         world = self.args.world_size
         self._cp, self._buckets, fields = _config_and_options(ring, world)
         self._dp = world // self._cp
@@ -263,7 +270,8 @@ class _RingMixin:
     # ---- evaluation: the whole sequence, once per replica -----------------------------------
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        n = inputs.get("input_ids", inputs.get("inputs_embeds")).shape[1]
+        ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+        n = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0  # else _shard raises
         labelled = bool(self.label_names) and all(inputs.get(name) is not None for name in self.label_names)
         if not labelled:  # Trainer calls the model itself
             inputs = self._shard(self._prepare_inputs(inputs))
