@@ -159,8 +159,8 @@ def sdpa_unsupported_reason(site: SdpaSite) -> str | None:
         return "query/key/value have no example value in the graph"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"inputs are {q.dim()}-D, not (B, H, N, D)"
-    if 0 in (*_static_shape(q), *_static_shape(k), *_static_shape(v)):
-        return f"an empty input (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}): SDPA's own empty result"
+    if 0 in (_static_shape(q)[2], _static_shape(k)[2]):
+        return f"an empty sequence (q {tuple(q.shape)}, k {tuple(k.shape)}): SDPA's own empty result"
     reason = kernels.kernel_unsupported_reason(q, k, v)
     if reason is not None:
         return reason

@@ -51,7 +51,7 @@ scale after a bias scales the bias too):
   which then multiplies the query), ``baddbmm``'s ``alpha``; the scale on ``q`` or ``k``
   themselves stays where it is (it is part of their values);
 * masks: ``masked_fill(m, v)``, ``where(m, s, v)`` / ``where(m, v, s)`` with ``v`` ``-inf`` or
-  at most ``finfo(dtype).min`` (see below);
+  about ``finfo(dtype).min`` (see below);
 * biases: ``+ b`` (transformers' additive ``causal_mask``, a padding bias);
 * casts between float dtypes (softmax in float32), views of the leading dims, in-place forms.
 
@@ -68,12 +68,14 @@ Each check, and why the result is then exactly SDPA's function:
   compute them; the site is left alone with that reason.
 * **scales before masks**; a scale after an additive bias: ``(s + b) * c == s * c + b * c``,
   SDPA with the scale ``c`` and the bias ``b * c`` (Falcon's ``(s + alibi) * inv_norm_factor``).
-  The scaled bias keeps its fills (``min * c`` is no lowest value: it is passed as it is). A scale
+  The scaled bias keeps its fills (``min * c`` is passed as it is: Note [Fills that mask] in
+  ``ring_rewrite/numerics.py`` says when a key bias masks). A scale
   after a mask is left alone (simple over clever), and so is a scale after a bias by a tensor
   that requires grad (SDPA's mask takes no gradient, ``find_sdpa``).
 * **only the ops listed**: anything else on the scores (a softcap ``tanh``, Gemma 2's;
   ``s - s.amax()``) is a different function, left alone with its reason.
-* **a fill of -inf or at most the lowest finite value** of the dtype the masked scores have:
+* **a fill of -inf or about the lowest finite value** of the dtype the masked scores have (at or
+  below half of it, Note [Fills that mask] in ``ring_rewrite/numerics.py``):
   ``finfo.min`` (transformers' eager masks, ``where(allowed, 0, min)``) gives a masked key the
   weight ``exp(min - max) = 0``, exactly as ``-inf`` does, in every row with a key allowed and
   scores below ``finfo.max / 2`` in magnitude. Such fills become ``-inf`` (masks.py reads
@@ -126,6 +128,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 
 from ring_rewrite.config import RingDilatedConfig
+from ring_rewrite.numerics import masks
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, erase_unused, location, propagate_example_values
@@ -224,14 +227,6 @@ def _constant(x: Any) -> float | None:
     if x.target in (torch.tensor, torch.scalar_tensor) and x.args:
         return _constant(x.args[0])
     return None
-
-
-def _lowest(value: float | None, dtype: torch.dtype) -> bool:
-    """Whether a fill masks exactly (Note [Hand-written attention]): -inf, or at most the lowest
-    finite value of ``dtype``."""
-    return value is not None and dtype.is_floating_point and (
-        value == _NEG_INF or value <= torch.finfo(dtype).min
-    )
 
 
 # ---- products -----------------------------------------------------------------------------------
@@ -680,7 +675,7 @@ def _scores_op(op: fx.Node, prev: fx.Node, lead: tuple):
         if op.args[0] is not prev:
             return "a mask fills the scores into another tensor"
         cond, fill = _arg(op, 1, "mask"), _arg(op, 2, "value")
-        if not _lowest(_constant(fill), out.dtype):
+        if not masks(_constant(fill), out.dtype):
             return _fill_reason(fill, out.dtype)
         return "term", _Term(cond, lead, keep=True, negate=True)
     if _is(op, *_WHERE) and len(op.args) == 3:
@@ -688,7 +683,7 @@ def _scores_op(op: fx.Node, prev: fx.Node, lead: tuple):
         fill, negate = (no, False) if yes is prev else (yes, True)
         if (yes is prev) == (no is prev):
             return "where() over the scores on both sides"
-        if not _lowest(_constant(fill), out.dtype):
+        if not masks(_constant(fill), out.dtype):
             return _fill_reason(fill, out.dtype)
         return "term", _Term(cond, lead, keep=True, negate=negate)
     return f"the scores pass through {_op_name(op)}, which SDPA does not compute"
@@ -1176,14 +1171,14 @@ def _refill(node: fx.Node, tracer: _Tracer) -> fx.Node:
         return node
     if _is(node, *_WHERE) and len(node.args) == 3:
         cond, yes, no = node.args
-        if _lowest(_constant(no), value.dtype):
+        if masks(_constant(no), value.dtype):
             return tracer.create_node("call_function", torch.where, (cond, yes, _NEG_INF), {})
-        if _lowest(_constant(yes), value.dtype):
+        if masks(_constant(yes), value.dtype):
             return tracer.create_node("call_function", torch.where, (cond, _NEG_INF, no), {})
         return node
     if _is(node, *_MASKED_FILL) and not _inplace(node):
         x, cond, fill = node.args[0], _arg(node, 1, "mask"), _arg(node, 2, "value")
-        if _lowest(_constant(fill), value.dtype):
+        if masks(_constant(fill), value.dtype):
             x = _refill(x, tracer) if isinstance(x, fx.Node) else x
             return tracer.create_node("call_method", "masked_fill", (x, cond, _NEG_INF), {})
         return node

@@ -44,6 +44,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int
 
+from ring_rewrite.numerics import masks
+
 __all__ = [
     "DecodePositions", "MaskStructure", "decode_positions", "key_mask", "key_values", "mask_structure", "runs",
     "sharded_documents_reason", "sharded_keys_reason",
@@ -487,7 +489,7 @@ def mask_structure(mask: fx.Node, n: int, *, specialise: bool = True) -> MaskStr
         if _value(mask).dtype == torch.bool:
             band = _conjuncts(e, parts)
         else:
-            band = _additive(e, parts, torch.finfo(_value(mask).dtype).min)
+            band = _additive(e, parts, _value(mask).dtype)
     except NotStructured as error:
         return f"dense attn_mask whose structure cannot be read ({error})"
     if band is None:
@@ -567,11 +569,12 @@ class _Parts:
     blocks: bool = False
 
 
-def _additive(e, parts: _Parts, lowest: float):
+def _additive(e, parts: _Parts, dtype: torch.dtype):
     """A float mask: a sum of ``where(allowed, x, -inf)`` terms (``masked_fill(~allowed, -inf)``
     alike) and key biases; returns the band (or None).
 
-    A fill at or below ``lowest`` (the mask dtype's ``finfo.min``, transformers' fill) masks as
+    A fill that masks in ``dtype`` (its ``finfo.min``, transformers' fill: Note [Fills that mask]
+    in ``ring_rewrite/numerics.py``) masks as
     ``-inf`` does: a masked key's weight is ``exp(min - max)``, 0 in every row with a key allowed
     (scores below ``finfo.max / 2`` in magnitude). Only a row with no key allowed differs: there
     the dense mask gives the mean of the values and the rewrite 0 (docs/semantics.md, Accuracy)."""
@@ -591,9 +594,9 @@ def _additive(e, parts: _Parts, lowest: float):
             parts.biases.append(key)
             continue
         cond, yes, no = term.args
-        if _masks(no, lowest):
+        if _masks(no, dtype):
             allowed, rest = cond, yes
-        elif _masks(yes, lowest):
+        elif _masks(yes, dtype):
             allowed, rest = Op("not", (cond,)), no
         else:
             return None
@@ -641,9 +644,9 @@ def _data_reads(e) -> list[Data]:
     return []
 
 
-def _masks(e, lowest: float) -> bool:
-    """Whether ``e`` is a fill that masks: ``-inf``, or at most the dtype's lowest value."""
-    return isinstance(e, Const) and isinstance(e.value, (int, float)) and e.value <= lowest
+def _masks(e, dtype: torch.dtype) -> bool:
+    """Whether ``e`` is a fill that masks in ``dtype``: ``-inf``, or about the dtype's lowest value."""
+    return isinstance(e, Const) and isinstance(e.value, (int, float)) and masks(e.value, dtype)
 
 
 def _terms(e) -> list:

@@ -61,7 +61,7 @@ from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.decode import decode_attention, sharded_decode
 from ring_rewrite.layout import assemble
-from ring_rewrite.ops import masked_fills
+from ring_rewrite.numerics import masked_fills
 from ring_rewrite.layout import positions as shard_positions
 from ring_rewrite.p2p import (
     Rotater, check_agreement, checking_transfers, name_sites, resolve_group, ring_group, variant_hash,
@@ -440,7 +440,7 @@ def _checked_documents(structure: MaskStructure, docs, positions, where: str) ->
 
 def _key_mask(structure: MaskStructure, plan: SitePlan, q: torch.Tensor, *data: torch.Tensor) -> torch.Tensor:
     """``masks.key_mask`` over this rank's keys; in sharded mode at their global positions, where
-    a bias reads them (``slope_h * t``). A bias at ``finfo.min`` masks (``ops.masked_fills``)."""
+    a bias reads them (``slope_h * t``). A bias at ``finfo.min`` masks (``numerics.masked_fills``)."""
     keys = None
     if plan.sharding == "sharded" and plan.world > 1 and structure.reads_key_positions:
         keys = shard_positions(plan.n, world=plan.world, rank=plan.rank, layout=plan.layout, device=q.device)
@@ -452,7 +452,7 @@ def _key_bias(
 ) -> torch.Tensor:
     """A key-padding mask (bool keep-mask or additive) as an additive bias ``(B|1, Hq|1, N)``
     (``N`` the keys this rank sees: the local shard's in sharded mode); a fill at ``finfo.min``
-    as ``-inf`` (``ops.masked_fills``)."""
+    as ``-inf`` (``numerics.masked_fills``)."""
     lead = (1,) * (4 - len(mask_shape)) + tuple(mask_shape[:-2])
     mask = mask.reshape(*lead, mask_shape[-1])
     if is_bool:

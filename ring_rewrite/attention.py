@@ -189,7 +189,8 @@ from .kernels import block_kernel
 from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
-from .ops import BAND_OPEN, RELATIONS, stat_dtype
+from .numerics import stat_dtype
+from .ops import BAND_OPEN, RELATIONS
 from .p2p import DKV, Ring, Rotater, global_ranks
 from .program import Block as ProgramBlock
 from .program import Cast, Chunk, Dilate, Gather, Land, Merge, Program, Start, Undilate, Wait, build, chunks
@@ -285,7 +286,7 @@ class SitePlan:
 
     @property
     def stat_dtype(self) -> torch.dtype:
-        """What lse, merges and gradient sums are kept in (``ops.stat_dtype``)."""
+        """What lse, merges and gradient sums are kept in (``numerics.stat_dtype``)."""
         return stat_dtype(self.dtype)
 
     @property

@@ -22,14 +22,9 @@ from collections.abc import Sequence
 import torch
 
 from .merge import merge_partials
-from .ops import stat_dtype
+from .numerics import masked_fills, stat_dtype
 
 __all__ = ["decode_attention", "sharded_decode", "sharded_keys"]
-
-# Bias values at or below it mask (half float32's lowest: -inf, transformers' finfo.min fills).
-# A constant: the step is traced with proxies, whose dtype is no value.
-_FLOOR = torch.finfo(torch.float32).min / 2
-
 
 def decode_attention(
     q: torch.Tensor,
@@ -71,12 +66,13 @@ def decode_attention(
     if bias is not None:
         # Less each row's largest value (a constant of the row: the same softmax), a bias that
         # grows with the position (ALiBi's slope_h * t) adds what the dense slope_h * (t - p)
-        # adds (Note [Recentred key biases] in attention.py); fills at or below half the lowest
-        # value mask as -inf does, also in a row they mask whole (it attends to nothing).
-        bias = bias.to(acc)
-        bias = torch.where(bias > _FLOOR, bias, float("-inf"))
+        # adds (Note [Recentred key biases] in attention.py); fills mask as -inf does, also in
+        # a row they mask whole, which attends to nothing (Note [Fills that mask] in numerics.py).
+        # NOTE: float32's floor: the step is traced with proxies, whose dtype is no value; it
+        # is at or above float64's.
+        bias = masked_fills(bias.to(acc), torch.float32)
         top = bias.amax(-1, keepdim=True)
-        scores = scores + (bias - torch.where(top > _FLOOR, top, 0.0))
+        scores = scores + (bias - torch.where(top > float("-inf"), top, 0.0))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)  # a row with nothing to attend: zeros
     probs = torch.exp(scores - top)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops import stat_dtype
+from .numerics import stat_dtype
 
 __all__ = ["merge_partials"]
 

@@ -50,27 +50,13 @@ import torch
 from . import cpu_kernel
 from .dilation import BranchLayout
 from .kernels import block_kernel, dropout_backward, dropout_forward
+from .merge import merge_partials
+from .numerics import mask_floor, stat_dtype
 
 __all__ = [
     "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "dilated_block_attention",
-    "dilated_block_backward", "documents", "masked_fills", "stat_dtype", "undilate_add", "write_heads",
+    "dilated_block_backward", "documents", "undilate_add", "write_heads",
 ]  # fmt: skip
-
-
-def masked_fills(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``bias`` (of ``dtype``; a proxy while traced) with every value at or below half the
-    dtype's lowest as ``-inf``: a fill of
-    ``finfo(dtype).min`` (transformers' float masks) masks as ``-inf`` does, also in a row with
-    nothing left to attend, which then attends to nothing (docs/semantics.md, Masks). The same
-    floor reads a row's own bias (``_row_chunks``)."""
-    return bias.masked_fill(bias <= torch.finfo(dtype).min / 2, float("-inf"))
-
-
-def stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What log-sum-exps, merges and gradient sums are kept in: float32, or the input's dtype
-    where that is wider (float64 inputs get float64 accuracy at every P: docs/semantics.md,
-    Accuracy)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _empty_rows(bias: torch.Tensor, lse_shape: torch.Size, is_causal: bool) -> torch.Tensor:
@@ -110,8 +96,9 @@ def _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
     S)``: the key bias (less each row's own, ``qbias``, where given) plus ``-inf`` outside the
     band (and above the diagonal when causal), and between different documents.
 
-    A row's own bias at or below half the dtype's lowest (``-inf``, transformers' ``finfo.min``
-    fill: a padded position) is taken as 0; any constant of a row gives the same softmax."""
+    A row's own bias that masks (``-inf``, transformers' ``finfo.min`` fill: a padded position;
+    Note [Fills that mask] in ``numerics.py``) is taken as 0; any constant of a row gives the
+    same softmax."""
     lo, hi, relation = _band(band) if band is not None else (None, None, None)
     if is_causal:
         hi = 0 if hi is None else min(hi, 0)
@@ -121,7 +108,7 @@ def _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
     dtype = q.dtype if bias is None else bias.dtype
     own = None
     if qbias is not None:
-        own = torch.where(qbias > torch.finfo(qbias.dtype).min / 2, qbias, 0.0).to(dtype).unsqueeze(-1)
+        own = torch.where(qbias > mask_floor(qbias.dtype), qbias, 0.0).to(dtype).unsqueeze(-1)
     for r0 in range(0, q.shape[2], rows):
         r1 = min(r0 + rows, q.shape[2])
         chunk = bias
@@ -352,7 +339,6 @@ def dilated_block_attention(
         sizes = _kernel_sizes(lay, q, v)
         cpu_kernel.forward_in_place((out, lse), (q, k, v), layouts, sizes, lay.nseg, scale, is_causal, not write)
         return
-    from .merge import merge_partials
 
     q_dilated, k_dilated, v_dilated = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
     out_dilated, lse_dilated = _attend(q_dilated, k_dilated, v_dilated, None, scale, is_causal, 0.0, None, None)

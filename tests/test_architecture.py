@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = {
-    "attention", "config", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "ops", "p2p",
+    "attention", "config", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "numerics", "ops", "p2p",
     "program", "reference", "roles", "schedule",
 }  # fmt: skip
 FRONT = {

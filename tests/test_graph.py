@@ -204,7 +204,7 @@ def _empty(q, k, v):
 
 
 UNSUPPORTED = [
-    pytest.param(_empty, "an empty input (q (1, 2, 0, 8)", id="empty"),
+    pytest.param(_empty, "an empty sequence (q (1, 2, 0, 8)", id="empty"),
     pytest.param(_dense_mask, "dense attn_mask of shape (32, 32) that depends on", id="dense-mask"),
     pytest.param(_cross_attention, "query length 16 != key/value length 32", id="cross-attention"),
     pytest.param(_three_d, "3-D", id="three-d"),

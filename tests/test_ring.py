@@ -155,7 +155,7 @@ def test_ring_in_head_chunks_matches_reference(world, cases, chunk_bytes, monkey
 
 def _float64(rank, world):
     """Float64 inputs give float64 accuracy at every P (merges and gradient sums in
-    float64, ``ops.stat_dtype``)."""
+    float64, ``numerics.stat_dtype``)."""
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
 
