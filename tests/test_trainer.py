@@ -15,7 +15,6 @@ tokens, so that every batch pads to the one bucket of 64 and each trainer compil
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import subprocess
 import sys
