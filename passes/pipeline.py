@@ -17,6 +17,11 @@ leave alone (``records.leave_alone``). Adding a form is one function and one ent
 ``leave_alone``, if it has one, then records the sites it would have changed as left alone
 (a form the rewrite could not see otherwise, like an opaque module node, must have one).
 
+Attention inside a higher-order op's body (``torch.utils.checkpoint``'s region, as transformers'
+gradient checkpointing and TRL's default make it) is out of the passes' reach: each such site is
+recorded as left alone, with that reason, before the passes run (``_nested_sites``), so that it is
+never silently plain attention (sharded mode and ``strict`` raise).
+
 Which pass touched which site needs nothing from the passes: the pipeline notes, on every SDPA
 node a normalising pass added or changed, the pass's name (``records.TOUCHED``), and the rewrite
 copies the names into the site's record (the report's ``passes`` column).
@@ -29,6 +34,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
@@ -37,10 +43,11 @@ from ring_rewrite.config import RingDilatedConfig
 from .bucket_lengths import NAME as BUCKETS_NAME
 from .bucket_lengths import bucket_lengths
 from .decompose_mha import decompose_attention_modules, leave_attention_modules_alone
-from .find_sdpa import find_sdpa_sites
+from ._fx import location
+from .find_sdpa import SDPA_TARGETS, find_sdpa_sites
 from .hand_written import NAME as HAND_WRITTEN_NAME
 from .hand_written import hand_written_to_sdpa, leave_hand_written_alone
-from .records import TOUCHED
+from .records import TOUCHED, leave_alone
 from .rewrite_sdpa import NAME as REWRITE_NAME
 from .rewrite_sdpa import rewrite_sdpa
 
@@ -87,6 +94,15 @@ def check_disabled(config: RingDilatedConfig) -> None:
 def run_passes(gm: fx.GraphModule, example_inputs: Any, *, config: RingDilatedConfig) -> fx.GraphModule:
     """``gm`` through every enabled normalising pass, then the rewrite."""
     check_disabled(config)
+    for node, op in _nested_sites(gm):
+        leave_alone(
+            gm, config, what="attention", fate="be rewritten", location=location(node), kind="nested",
+            shapes={}, reason=(
+                f"it runs inside {op}'s body (torch.utils.checkpoint: activation or gradient "
+                "checkpointing), which the passes do not enter; checkpoint without the attention "
+                "(or not at all) to rewrite it"
+            ),
+        )  # fmt: skip
     for p in NORMALISING:
         if p.name in config.disable_passes:
             if p.leave_alone is not None:
@@ -106,6 +122,22 @@ def _run(p: Pass, gm: fx.GraphModule, example_inputs: Any, config: RingDilatedCo
     gm = p.run(gm, example_inputs, config=config)
     log.debug("ring_dilated pass %s: %d site(s)", p.name, counters["ring_rewrite"][p.counter] - count)
     return gm
+
+
+def _nested_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
+    """Every attention call (SDPA, ``multi_head_attention_forward``) inside the body of a
+    higher-order op of ``gm``, at any depth, with the op's name."""
+    targets = (*SDPA_TARGETS, torch.nn.functional.multi_head_attention_forward)
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        for arg in node.args:
+            body = getattr(gm, arg.target, None) if isinstance(arg, fx.Node) and arg.op == "get_attr" else None
+            if isinstance(body, fx.GraphModule):
+                inner = [n for n in body.graph.nodes if n.op == "call_function" and n.target in targets]
+                found += [(n, node.target.name()) for n in inner] + _nested_sites(body)
+    return found
 
 
 def _sdpa_calls(gm: fx.GraphModule) -> dict[fx.Node, tuple]:

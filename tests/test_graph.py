@@ -420,3 +420,22 @@ def test_an_empty_sequence_returns_sdpas_empty_result(options):
     out = attend(q, k, v)
     assert out.shape == (2, 3, 0, 8)
     assert all(g.shape == (2, 3, 0, 8) for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
+def _checkpointed(q, k, v):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q * 2, k, v,
+                      use_reentrant=False)  # fmt: skip
+
+
+def test_attention_inside_a_checkpoint_region_is_left_alone_with_its_reason():
+    """SDPA inside ``torch.utils.checkpoint`` (transformers' gradient checkpointing) sits in a
+    higher-order op's body that the passes do not enter: recorded as left alone with that reason,
+    never silently plain attention; ``strict`` raises."""
+    q, k, v = _inputs(_checkpointed)
+    cap = capture(_checkpointed, q, k, v, segment_lengths=[8, 32], dilation_rates=[1, 2])
+    record = assert_left_alone(cap, site=0, reason="inside tag_activation_checkpoint's body")
+    assert record.kind == "nested" and counters["ring_rewrite"]["skipped"] == 1
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="cannot be rewritten"):
+        capture(_checkpointed, q, k, v, strict=True)
