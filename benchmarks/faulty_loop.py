@@ -15,7 +15,8 @@ Faults, each on one rank (the *culprit*) unless said otherwise:
 * ``block``: the culprit's block kernel raises,
 * ``between``: the culprit raises between the two calls and goes on,
 * ``no_backward``: the culprit skips its backward,
-* ``order``: the culprit calls the two compiled functions in the other order,
+* ``order``: the culprit calls the two compiled functions in the other order (on consecutive
+  steps: an order of its own that persists),
 * ``no_grad``: the culprit runs the step under ``torch.no_grad()`` (a recompile on it alone),
 * ``frozen``: the culprit's ``q`` does not require grad (a recompile on it alone),
 * ``slow_recompile``: every rank runs a new length (a recompile everywhere), the culprit
@@ -74,8 +75,9 @@ def _stop_me(seconds: float) -> None:
 
 
 class FaultyLoop:
-    """The loop on one rank: ``step(step, fault, culprit, scale)`` runs one step and returns
-    what happened (``"ok"``, ``"wrong <error>"`` or the exception's type and message)."""
+    """The loop on one rank: ``step(step, fault, culprit, scale, backward)`` runs one step and
+    returns what happened (``"ok"``, ``"wrong <error>"`` or the exception's type and message).
+    ``backward=False`` makes the step forward only, on every rank."""
 
     def __init__(self, rank: int, world: int, timeout: float, compiler: str = "inductor") -> None:
         import ring_rewrite
@@ -84,7 +86,9 @@ class FaultyLoop:
         backend = ring_rewrite.backend(compiler=compiler, timeout=timeout, sharding="sharded")
         self.first, self.second = torch.compile(first, backend=backend), torch.compile(second, backend=backend)
 
-    def step(self, step: int, fault: str | None = None, culprit: int = 0, scale: float = 1.0) -> str:
+    def step(
+        self, step: int, fault: str | None = None, culprit: int = 0, scale: float = 1.0, backward: bool = True
+    ) -> str:
         import ring_rewrite
         from ring_rewrite.testing import InjectedFault, in_block_kernel
 
@@ -113,7 +117,7 @@ class FaultyLoop:
                     if mine and fault == "between":
                         raise InjectedFault("raised between the two calls")
                     out = self.second(x, k, v)
-                if torch.is_grad_enabled() and not (mine and fault == "no_backward"):
+                if backward and torch.is_grad_enabled() and not (mine and fault == "no_backward"):
                     out.sum().backward()
             want = ring_rewrite.shard(expected(step, n), 2)
             error = ((out.double() - want).abs().max() / want.abs().max()).item()

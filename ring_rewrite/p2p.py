@@ -90,28 +90,42 @@ reads what every other is doing: a rank that recompiled alone (grad mode, dtype,
 another size aborting the process inside gloo.
 
 *Ranks out of step.* Headers that differ raise ``RingOutOfStep`` before any transfer of the
-call, naming each rank's call (its site, where it is in the code, its graph), except on the ranks
-that left the step the others are in. Each rank learns, from the calls every rank opened
+call, naming each rank's call (its site, where it is in the code, its graph), except on the
+ranks that left the step the others are in. Each rank learns, from the calls every rank opened
 together and closed (``close_call``, the last op of a call; so every rank learns the same),
 which calls open a step (the first one, and every forward right after a backward), which close
-one (a backward right before an opening call) and which call follows which. When the last call
-opened together does not close a step, and some ranks' headers open a step where no call of
-theirs has ever followed that last one, those ranks left the step and began the next one (they
-raised between two calls, in a kernel, or skipped a backward): the others raise, and those
-ranks exchange headers again, waiting for the others to leave the step too. Otherwise every
-rank raises. A rank whose transfer missed its deadline says so at once (``_announce``): a header
-of its own kind, posted and not waited for, which its peers read at their next header and raise
-there (they finished that call, or gave up on it too), instead of waiting for it in vain; it
-reads the round at its own next header. Either way each rank's loop that catches the error and
-goes on runs the same next step on every rank. A call that completed on some ranks and failed
-on others stays completed there: their results are right (every transfer they made completed).
-When that call closes a step it is not announced: the ranks that completed it go on to the next
-step, and so does the rank that failed.
+one (a backward right before an opening call; any call right before one in a group that never
+ran a backward), which call follows which, and which calls the step in progress has opened. Some
+ranks left the step and began the next one (they raised between two calls, in a kernel, or
+skipped a backward) when all of this holds: every round since the ranks last opened a step
+together showed one call on every rank; the last call opened together does not close the step;
+those ranks' headers all open one call, one that opens a step and has never followed that last
+one; and every other rank goes on with the step: it announced a failed call, or opens a call
+that has followed that last one, or one the step has not opened yet. Then the others raise, and
+those ranks exchange headers again, waiting for the others to leave the step too. Otherwise
+every rank raises. A rank that opens again a call its step has opened runs the functions in an
+order of its own (A then B on one rank, B then A on another): no rank left the step, and a rank
+that waited would pair its step with the next step of a rank that raised and went on. So ranks
+whose orders differ all raise at every call whose headers differ, for as long as the orders
+differ, and a call whose headers agree is the same step on every rank. A rank whose transfer
+missed its deadline says so at once (``_announce``): a header of its own kind, posted and not
+waited for, which its peers read at their next header and raise there (they finished that call,
+or gave up on it too), instead of waiting for it in vain; it reads the round at its own next
+header. Either way each rank's loop that catches the error and goes on runs the same next step
+on every rank. A call that completed on some ranks and failed on others stays completed there:
+their results are right (every transfer they made completed). When that call closes a step it is
+not announced: the ranks that completed it go on to the next step, and so does the rank that
+failed.
 
 What this cannot see or tell apart: a rank that left its step outside a transfer and then runs
 a collective of its own before its next call (its peers wait for it in a header, it waits for
-them in its collective, until the header's deadline); one compiled function called twice in a
-step with the same plans; two processes running the same code on different data.
+them in its collective, until the header's deadline); a rank that left its step while its peers
+compile the step's next function (a compile is never taken for a call that goes on with the
+step: every rank raises, that rank at its next step's first call, and from then on each of its
+steps pairs with its peers' previous one); before the ranks have seen a step end, a rank whose
+steps open with a function its peers do not call (taken for a peer still in the step: the
+others wait for it, and may end up a step apart from it); one compiled function called twice in
+a step with the same plans; two processes running the same code on different data.
 
 *Deadlines.* Every wait has one. A transfer waits ``RingDilatedConfig.timeout``. A header, and a
 compile's agreement, wait for every rank to arrive: twice that, and at least ``HEADER_TIMEOUT``
@@ -257,9 +271,11 @@ class RingOutOfStep(RuntimeError):
     deadlines and recovery]). When they differ (a rank skipped or repeated a call, raised between
     calls and went on, took another compiled variant or function, recompiled alone), this is
     raised before any transfer of the call, naming each rank's call and where its site is in the
-    code; ranks that already began the next step wait for the others instead of raising, so
-    that every rank's next step is the same step. A ``RuntimeError``; on a rank whose compile
-    found it, dynamo wraps it in ``BackendCompilerFailed``.
+    code; ranks that already began the next step (they raised between calls, or skipped a
+    backward) wait for the others instead of raising, so that every rank's next step is the
+    same step. Ranks that call the same compiled functions in different orders all raise, at
+    every call whose headers differ. A ``RuntimeError``; on a rank whose compile found it,
+    dynamo wraps it in ``BackendCompilerFailed``.
 
     Example::
 
@@ -383,6 +399,9 @@ class _GroupState:
     last: tuple | None = None
     """The key ``(site, direction, variant)`` of the last call every rank opened together;
     ``_UNSURE`` after a round whose headers differed."""
+    step_calls: set | None = None
+    """The keys every rank opened together since they last opened a step together; ``None``
+    when a round since showed different calls (then no rank is known to be ahead)."""
     starts: set = dataclasses.field(default_factory=set)
     """Keys that open a step: the first call, and each forward right after a backward."""
     ends: set = dataclasses.field(default_factory=set)
@@ -406,18 +425,33 @@ class _GroupState:
                 if key in self.starts and (last[1] == BACKWARD or not self.backwards):
                     self.ends.add(last)
         self.backwards |= key[1] == BACKWARD
+        if key in self.starts:
+            self.step_calls = set()
+        if self.step_calls is not None:
+            self.step_calls.add(key)
         self.last = key
+
+    def diverged(self, headers: torch.Tensor) -> None:
+        """The ranks' headers differed: the next call's number follows the highest of theirs,
+        and which step each rank is in is unknown until they open one together again."""
+        self.call, self.last, self.step_calls = int(headers[:, _H_CALL].max()) + 1, _UNSURE, None
 
     def waiting(self, headers: torch.Tensor) -> list[int]:
         """After headers that differ: the ranks that left the step every rank was in and began
         the next one (they wait; the others raise), or ``[]`` when every rank must raise."""
         kinds = headers[:, _KIND].tolist()
-        last = self.last
-        if COMPILE in kinds or last in (None, _UNSURE) or last in self.ends:
+        last, step = self.last, self.step_calls
+        if COMPILE in kinds or step is None or last in self.ends:
             return []
         keys = [_key(h) if kind == CALL else None for h, kind in zip(headers, kinds)]
         early = [r for r, key in enumerate(keys) if key in self.starts and (last, key) not in self.follows]
-        if not early or len(early) == len(keys) or len({keys[r] for r in early}) > 1:
+        behind = [key for r, key in enumerate(keys) if r not in early]
+        if not early or not behind or len({keys[r] for r in early}) > 1:
+            return []
+        # NOTE: a rank behind goes on with the step (it failed its call, or opens one that has
+        # followed the last call, or one not yet opened in this step); one that opens again a
+        # call of this step runs the functions in an order of its own, and then no rank left.
+        if any(key is not None and (last, key) not in self.follows and key in step for key in behind):
             return []
         return early
 
@@ -559,7 +593,7 @@ def _round(group, state, header, headers, leftover, timeout):
             return None
     names = [_call_name(h) for h in headers]
     waiting = state.waiting(headers)
-    state.call, state.last = int(headers[:, _H_CALL].max()) + 1, _UNSURE
+    state.diverged(headers)
     me = dist.get_rank(group)
     if int(header[_KIND]) == FAILED:
         return None  # this rank raised when its call failed
@@ -1358,7 +1392,7 @@ def check_agreement(group: dist.ProcessGroup, sites: list[dict], timeout: float)
         return
     if not bool((headers[:, _KIND] == COMPILE).all()):
         names = [_call_name(h) for h in headers]
-        state.call, state.last = int(headers[:, _H_CALL].max()) + 1, _UNSURE
+        state.diverged(headers)
         raise RingOutOfStep(
             "ring_rewrite: the ranks are out of step: this rank compiles a graph while another "
             "calls one already compiled (a recompile on one rank only: grad mode, dtype, "
