@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import ring_rewrite
+from ring_rewrite import cpu_choice
 from ring_rewrite.reference import reference_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,6 +286,8 @@ def train(args: argparse.Namespace, device: torch.device, t_start: float) -> int
         f"{args.segments}, rates {args.rates}")  # fmt: skip
     say(f"compiler {args.compiler}; gradients averaged over all {world} ranks by "
         f"{'DistributedDataParallel' if args.dp_mode == 'ddp' else 'FSDP2 (fully_shard)'}")
+    if device.type == "cpu":
+        say(f"CPU block kernel: {cpu_choice.describe()}")
     if device.type == "cuda":
         say("NOTE: --device cuda (NCCL) takes the same code path but is untested: this project is "
             "developed and checked on CPU only.")  # fmt: skip

@@ -64,7 +64,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel
+from . import cpu_choice, cpu_kernel
 
 __all__ = [
     "BlockKernel", "KERNELS", "block_kernel", "kernel_unsupported_reason", "dropout_forward", "dropout_backward",
@@ -99,13 +99,31 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
     return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))
 
 
-# ---- CPU: ours for float32 blocks without a bias (Note [The CPU block kernel] in cpu_kernel.py),
-# ---- aten's flash kernel for the rest -----------------------------------------------------
+# ---- CPU: ours or aten's flash kernel for float32 blocks without a bias, whichever is faster on
+# ---- this CPU (Note [Choosing the CPU block kernel] in cpu_choice.py), aten's for the rest ------
 
 
 def _cpu_forward(q, k, v, bias, scale, is_causal):
     if cpu_kernel.serves(q, k, v, bias=bias):
-        return cpu_kernel.forward(q, k, v, scale, is_causal)
+        name = cpu_kernel.choose(_cpu_class(q, k, v, is_causal), _ATEN).forward
+        if name != "aten":
+            return cpu_kernel.forward(q, k, v, scale, is_causal, variant=name)
+    return _aten_forward(q, k, v, bias, scale, is_causal)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+    if cpu_kernel.serves(dout, q, k, v, out, lse, bias=bias):
+        name = cpu_kernel.choose(_cpu_class(q, k, v, is_causal), _ATEN).backward
+        if name != "aten":
+            return cpu_kernel.backward(dout, q, k, v, out, lse, scale, is_causal, variant=name)
+    return _aten_backward(dout, q, k, v, out, lse, bias, scale, is_causal)
+
+
+def _cpu_class(q, k, v, is_causal) -> cpu_choice.BlockClass:
+    return cpu_choice.BlockClass.of(q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], is_causal)
+
+
+def _aten_forward(q, k, v, bias, scale, is_causal):
     # A NaN or inf: aten's products would take it to pairs that do not attend (Note [Non-finite
     # values] in cpu_kernel.py).
     if q.shape[2] and k.shape[2] and not _finite(q, k, v, bias=bias):
@@ -119,9 +137,7 @@ def _cpu_forward(q, k, v, bias, scale, is_causal):
     return out[..., :dv], lse
 
 
-def _cpu_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
-    if cpu_kernel.serves(dout, q, k, v, out, lse, bias=bias):
-        return cpu_kernel.backward(dout, q, k, v, out, lse, scale, is_causal)
+def _aten_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
     # out too: its NaN rows may come from another block (Note [Non-finite values] in cpu_kernel.py).
     if q.shape[2] and k.shape[2] and not _finite(dout, q, k, v, out, bias=bias, lse=lse):
         return nonfinite_backward(dout, q, k, v, out, lse, bias, scale, is_causal)
@@ -141,6 +157,15 @@ def _cpu_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
         result.append(grad[..., :c].contiguous())
         del grad
     return tuple(result)
+
+
+_ATEN = {
+    "aten": cpu_choice.Candidate(
+        lambda q, k, v, scale, causal: _aten_forward(q, k, v, None, scale, causal),
+        lambda dout, q, k, v, out, lse, scale, causal: _aten_backward(dout, q, k, v, out, lse, None, scale, causal),
+    )
+}
+"""aten's flash kernel as a candidate for float32 blocks without a bias (``cpu_kernel.choose``)."""
 
 
 def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:

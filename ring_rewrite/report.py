@@ -79,6 +79,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from . import cpu_choice, cpu_kernel
 from .attention import SitePlan
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
@@ -487,7 +488,9 @@ class Report:
     read from a mask, and its cost on this rank: useful forward GFLOP (dense in brackets), MiB
     sent forward / backward, MiB saved for backward / peak (estimates: Note [Memory of a site]).
     Ranks are global. ``str(report)`` is a ``tabulate`` table under a one-line summary
-    (``ring_rewrite: no attention site found`` when there are no records).
+    (``ring_rewrite: no attention site found`` when there are no records) and, where a site runs
+    on CPU, a line saying which block kernel runs its blocks and why (Note [Choosing the CPU block
+    kernel] in ``cpu_choice.py``).
 
     Args:
         records (list[SiteRecord]): the site records, as a backend's ``.records`` or
@@ -559,7 +562,22 @@ class Report:
             return "ring_rewrite: no attention site found"
         head = f"ring_rewrite: {len(self.rewritten)} of {len(self.records)} attention sites rewritten"
         head += " (per rank)" if any(r.plan is not None and r.plan.world > 1 for r in self.records) else ""
+        kernel = _kernel_line([r.plan for r in self.rewritten if r.plan is not None])
+        head += f"\n{kernel}" if kernel else ""
         return head + "\n" + tabulate(self.rows(), headers="keys", tablefmt="simple")
+
+
+def _kernel_line(plans: list[SitePlan]) -> str | None:
+    """Which kernel runs the CPU blocks of ``plans`` and why (Note [Choosing the CPU block kernel]
+    in ``cpu_choice.py``); None without a CPU plan."""
+    plans = [p for p in plans if p.device == "cpu"]
+    if not plans:
+        return None
+    if all(_copies_gradients(p, b) for p in plans for b in p.branches):  # no block that ours could run
+        return "CPU block kernel: aten's flash kernel, the only candidate (float64, a bias, a band or dropout)"
+    if not cpu_kernel.available():
+        return "CPU block kernel: aten's flash kernel, the only candidate (csrc/flash_cpu.c is not built)"
+    return f"CPU block kernel: {cpu_choice.describe()}"
 
 
 def explain(model_or_fn: Callable[..., Any], *example_args: Any, **config: Any) -> Report:

@@ -23,7 +23,8 @@
  * rounding error grows with L; BLAS's blocked sums are as exact as these).
  * Threads are OpenMP's (torch's runtime: the same libgomp; `threads` of them). Vector width and
  * tile shape follow the target (-march=native): 16 lanes and 6 x 4 vectors with AVX-512, 8 lanes
- * and 6 x 2 with AVX, 4 lanes otherwise (6 x 4 with NEON's 32 registers, 6 x 2 with SSE's 16).
+ * and 6 x 2 with AVX, 4 lanes otherwise (6 x 4 with NEON's 32 registers, 6 x 2 with SSE's 16);
+ * -DRR_QV and -DRR_TK select other tiles (below).
  *
  * Tensors: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), dout and out (B, Hq, L, Dv),
  * lse (B, Hq, L), each with unit stride in its last dim; GQA by head groups (query head h reads
@@ -55,20 +56,38 @@
  * the target's vector registers leave room for. */
 #if defined(__AVX512F__)
 #define VL 16
-#define QV 4
+#define TARGET_QV 4
 #elif defined(__AVX__)
 #define VL 8
-#define QV 2
+#define TARGET_QV 2
 #elif defined(__ARM_NEON)
 #define VL 4
-#define QV 4
+#define TARGET_QV 4
 #else
 #define VL 4
-#define QV 2
+#define TARGET_QV 2
 #endif
-/* Rows a register tile; query rows a query tile (the forward's S^T: its lanes); keys a key tile
- * (256 and 128 tie). */
-enum { MR = 6, TQ = VL * QV, TK = 256 };
+/* Rows a register tile (MR); query rows a query tile (TQ, the forward's S^T: its lanes); keys a
+ * key tile (TK). A build may select other vectors a tile row (-DRR_QV=1, 2 or 4) and keys a key
+ * tile (-DRR_TK, a multiple of VL): cpu_kernel.py's VARIANTS, timed against each other and
+ * aten's kernel where a block first runs (Note [Choosing the CPU block kernel] in cpu_choice.py). */
+#ifdef RR_QV
+#define QV RR_QV
+#else
+#define QV TARGET_QV
+#endif
+#ifdef RR_TK
+#define TK RR_TK
+#else
+#define TK 256
+#endif
+#if QV != 1 && QV != 2 && QV != 4
+#error "RR_QV must be 1, 2 or 4 (product() has column blocks of 4, 3, 2 and 1 vectors)"
+#endif
+#if TK < VL || TK % VL
+#error "RR_TK must be a multiple of the vector's lanes"
+#endif
+enum { MR = 6, TQ = VL * QV };
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
 /* exp(x) for x <= 0, to about 2 ulp: 2^n e^f with |f| <= ln2/2, e^f by its Taylor series to
