@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench fuzz setup clean
 
 # The training demo on RANKS CPU processes (gloo), one thread each; ARGS go to the script
 # (make demo RANKS=8 ARGS="--seq 65536 --steps 200"; see examples/train_longnet.py --help).
@@ -15,6 +15,11 @@ demo: .venv/.done
 
 test: .venv/.done
 	$(PY) -m pytest -q
+
+# The random campaign of SDPA sites against the float64 reference (tests/fuzz.py, docs/testing.md):
+# 2000 cases from seed 0 unless ARGS say otherwise (make fuzz ARGS="--cases 2000 --seed 7").
+fuzz: .venv/.done
+	$(PY) tests/fuzz.py $(or $(ARGS),--cases 2000)
 
 # Every benchmark, then each target met / not met (benchmarks/README.md); ARGS="--quick" for a smoke run.
 bench: .venv/.done

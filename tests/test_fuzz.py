@@ -1,0 +1,47 @@
+"""A fixed sample of the random campaign (``tests/fuzz.py``; docs/testing.md, The random
+campaign): for every mask construction the first seed of one rank that builds it, and the first
+seeds of two ranks, all in one spawn of two gloo ranks. Each seed is its own test; a failure
+names the seed and the case, and ``python tests/fuzz.py --seed S`` runs it again."""
+
+from __future__ import annotations
+
+import pytest
+
+import fuzz
+
+TWO_RANKS = 6  # cases on two ranks (one spawn; about 10 s each)
+
+
+def _sample() -> tuple[list[int], list[int]]:
+    first: dict[str, int] = {}
+    two: list[int] = []
+    for seed in range(100_000):
+        c = fuzz.case(seed)
+        if c.world == 1:
+            first.setdefault(c.mask, seed)
+        elif len(two) < TWO_RANKS:
+            two.append(seed)
+        if len(first) == len(fuzz.CONSTRUCTIONS) and len(two) == TWO_RANKS:
+            break
+    return sorted(first.values()), two
+
+
+ONE_RANK, TWO_RANK = _sample()
+
+
+@pytest.mark.parametrize("seed", ONE_RANK)
+def test_one_rank(seed):
+    fuzz.quiet()
+    result = fuzz.run(fuzz.case(seed))
+    assert result.ok, result.message
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> dict[int, fuzz.Result]:
+    return {r.seed: r for r in fuzz.run_pairs([fuzz.case(seed) for seed in TWO_RANK])}
+
+
+@pytest.mark.parametrize("seed", TWO_RANK)
+def test_two_ranks(seed, two_rank_results):
+    result = two_rank_results[seed]
+    assert result.ok, result.message
