@@ -22,6 +22,7 @@ import _common
 
 # name: (script, its arguments, the JSON it writes)
 BENCHMARKS = {
+    "kernels": ("kernels.py", [], "kernels.json"),
     "single_device": ("single_device.py", [], "single_device.json"),
     "torch_ring": ("torch_ring.py", [], "torch_ring.json"),
     "ring_memory": ("ring_memory.py", [], "ring_memory.json"),

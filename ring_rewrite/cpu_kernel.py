@@ -254,9 +254,12 @@ def candidates() -> dict[str, cpu_choice.Candidate]:
 def choice_path() -> str:
     """The file of this machine's kernel choices (Note [Choosing the CPU block kernel] in
     ``cpu_choice.py``): beside the libraries, named by the CPU's model name and flags, torch's
-    version and the kernel's source."""
+    version, the kernel's source and the choice's own (how it measures)."""
     model, flags = cpu_choice.machine()
-    key = hashlib.sha256(b"\0".join([model.encode(), flags.encode(), torch.__version__.encode(), _source_digest()]))
+    with open(cpu_choice.__file__, "rb") as f:
+        how = f.read()
+    parts = [model.encode(), flags.encode(), torch.__version__.encode(), _source_digest(), how]
+    key = hashlib.sha256(b"\0".join(parts))
     return os.path.join(_folder(), f"choice_{key.hexdigest()[:16]}.json")
 
 

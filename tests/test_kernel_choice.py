@@ -245,11 +245,15 @@ def test_classes_round_up_and_inputs_fill_the_threads():
     cls = cpu_choice.BlockClass.of(32, 4, 2100, 700, 40, 24, False)
     assert (cls.causal, cls.rows, cls.keys, cls.head, cls.group) == (False, 4096, 1024, 64, 8)
     assert cpu_choice.BlockClass.of(2, 2, 5, 9000, 300, 8, True).key == f"causal 16x4096 d256 g1 t{torch.get_num_threads()}"
-    for threads, group in [(2, 1), (3, 2), (2, 8)]:
-        cls = cpu_choice.BlockClass(True, 64, 128, 32, group, threads)
+    for threads, group, rows in [(2, 1, 2048), (3, 2, 4096), (16, 8, 2048), (2, 1, 512), (2, 4, 16)]:
+        cls = cpu_choice.BlockClass(True, rows, 2048, 32, group, threads)
         q, k, v, dout = cls.inputs()
-        assert q.shape[1] >= threads and q.shape[1] % group == 0 and k.shape[1] == q.shape[1] // group
-        assert q.shape[2:] == (64, 32) and k.shape[2:] == v.shape[2:] == (128, 32) and dout.shape == q.shape
+        heads = q.shape[1]
+        assert heads >= threads and heads % group == 0 and k.shape[1] == heads // group
+        assert q.shape[2:] == (rows, 32) and k.shape[2:] == v.shape[2:] == (2048, 32) and dout.shape == q.shape
+        per_head = sum(min(i + 1, 2048) for i in range(rows))
+        assert heads * per_head >= cpu_choice.PAIRS or heads >= cpu_choice.MAX_HEADS  # a call long enough
+        assert heads - group < max(threads, -(-cpu_choice.PAIRS // per_head))  # and no longer than that takes
 
 
 class Clock:
