@@ -2,15 +2,18 @@
 choice of ``ring_rewrite/cpu_choice.py`` rests on (Note [Choosing the CPU block kernel]).
 
 A block is what a site's program runs per branch, ring step and head chunk
-(``ring_rewrite::block_attention``): ``(1, 8, L, D)`` float32 queries against ``(1, Hkv, L, D)``
-keys and values. Each case (block length L from 512 to 4096, causal or not, head size 64 or 128,
-``Hkv`` 8 or 2: GQA) is run by every candidate alone, as the CPU entry calls it: aten's
+(``ring_rewrite::block_attention``): ``(B, 8, L, D)`` float32 queries against ``(B, Hkv, L, D)``
+keys and values, ``B = (2048 / L)^2`` below 2048 rows (a branch's small blocks come as many
+segments, and a call of a few milliseconds would time the scheduler's interruptions), else 1.
+Each case (block length L from 512 to 4096, causal or not, head size 64 or 128, ``Hkv`` 8 or 2:
+GQA) is run by every candidate alone, as the CPU entry calls it: aten's
 ``_scaled_dot_product_flash_attention_for_cpu`` (``kernels._ATEN``) and each build of ours this
 CPU has (``cpu_kernel.candidates()``: the target's, AVX2 on an AVX-512 CPU, 6 x 2 register tiles,
 128-key tiles):
 
 * checked first, at the case's shape: out and lse of query head 0, and its dq and its share of kv
-  head 0's dk and dv (the other heads' output gradients zero), against float64; a candidate above
+  head 0's dk and dv (the other heads' output gradients zero), of every batch row, against
+  float64; a candidate above
   1e-5 (max-abs error over max-abs value) is reported and not timed;
 * then timed round robin: each round reads ``torch.mm``'s rate (one 2048-square product) and runs
   every candidate's forward and backward once, the order rotated; medians of ``--rounds`` rounds
@@ -52,10 +55,14 @@ def _cases(lengths: list[int], dims: list[int]) -> list[dict]:
     ]  # fmt: skip
 
 
+def _batch(length: int) -> int:
+    return max(1, (2048 // length) ** 2)
+
+
 def _inputs(case: dict) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
-    n, d, hkv = case["length"], case["d"], case["hkv"]
-    shapes = [(1, HEADS, n, d), (1, hkv, n, d), (1, hkv, n, d), (1, HEADS, n, d)]
+    n, d, hkv, b = case["length"], case["d"], case["hkv"], _batch(case["length"])
+    shapes = [(b, HEADS, n, d), (b, hkv, n, d), (b, hkv, n, d), (b, HEADS, n, d)]
     return tuple(torch.randn(shape, generator=g) for shape in shapes)
 
 
@@ -116,7 +123,7 @@ def _run_case(case: dict, candidates: dict[str, cpu_choice.Candidate], rounds: i
             if r:
                 times[name].append((t1 - t0, time.perf_counter() - t1))
     n = case["length"]
-    flops = 4 * case["d"] * (n * (n + 1) // 2 if causal else n * n) * HEADS
+    flops = 4 * case["d"] * (n * (n + 1) // 2 if causal else n * n) * HEADS * _batch(n)
     rate = statistics.median(mm)
     for name in timed:
         fwd = statistics.median(f for f, _ in times[name])
@@ -151,7 +158,7 @@ def _decide(case: dict, rows: list[dict]) -> dict:
 
 
 def _table(rows: list[dict], decisions: list[dict]) -> str:
-    head = ["L", "causal", "d", "hkv", "kernel", "fwd ms", "bwd ms", "fwd % mm", "bwd % mm", "aten / it", "chosen",
+    head = ["B x L", "causal", "d", "hkv", "kernel", "fwd ms", "bwd ms", "fwd % mm", "bwd % mm", "aten / it", "chosen",
             "check"]  # fmt: skip
     chosen = {}
     for d in decisions:
@@ -163,7 +170,7 @@ def _table(rows: list[dict], decisions: list[dict]) -> str:
         timed = "fwd_ms" in r
         fastest = "*" if r.get("fastest_fwd") else "", "*" if r.get("fastest_bwd") else ""
         body.append([
-            r["length"], r["causal"], r["d"], r["hkv"], r["kernel"],
+            f"{_batch(r['length'])} x {r['length']}", r["causal"], r["d"], r["hkv"], r["kernel"],
             f"{r['fwd_ms']:.1f}{fastest[0]}" if timed else "", f"{r['bwd_ms']:.1f}{fastest[1]}" if timed else "",
             f"{r['fwd_pct_mm']:.0f}" if timed else "", f"{r['bwd_pct_mm']:.0f}" if timed else "",
             f"{r['vs_aten']:.2f}" if "vs_aten" in r else "",

@@ -18,13 +18,14 @@ block (float32 without a bias: ``cpu_kernel.serves``), which runs it is measured
   two (16 to 4096), its head size likewise (16 to 256), its GQA group (1 to 8) and torch's thread
   count. The first block of a class times every candidate on the class's shape (``measure``),
   forward and backward, with a query head a thread at least, so that each kernel's tasks share the
-  threads as a block of many heads does, and more heads for a small block (``PAIRS``), whose call
-  would otherwise be shorter than the scheduler's time slice: a warm-up call each, which rules out any ``SLOWER`` than the
+  threads as a block of many heads does, and heads for ``PAIRS`` query-key pairs at least, so that
+  a call outlasts the scheduler's time slices (a small block's would otherwise time its
+  interruptions): a warm-up call each, which rules out any ``SLOWER`` than the
   fastest both ways, then rounds in which each of the others runs once, the order rotated, for
   ``BUDGET`` seconds (2 to 9 rounds), and the medians. Forward and backward each run their own
   fastest: a block's backward reads the merged out and lse, whichever kernel made them. A class
-  costs a second or two on 2 cores (a 4096-row one with 128-dim heads more), once a machine; the
-  first also builds ours' variants, a second of CPU each.
+  costs one to three seconds on 2 cores, once a machine; the first also builds ours' variants, a
+  second of CPU each.
 * The decisions are cached beside the built libraries (``cpu_kernel.choice_path``: named by the
   CPU's model name and flags, torch's version, the kernel's source and this file's), read and
   written under a file lock, so that the ranks of a machine measure one at a time (the others wait, then read)
@@ -59,8 +60,9 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 __all__ = [
-    "ENV", "Candidate", "BlockClass", "Decision", "decide", "forced", "check", "measure", "machine", "decisions", "describe",
-]
+    "ENV", "Candidate", "BlockClass", "Decision", "decide", "forced", "check", "measure", "machine", "decisions",
+    "describe",
+]  # fmt: skip
 
 ENV = "RING_REWRITE_CPU_KERNEL"
 """The environment variable that forces a candidate by name (``aten``, ``ours``, a build's name)."""
@@ -72,11 +74,13 @@ SLOWER = 2.0
 """A candidate this many times the fastest's time in its warm-up call, forward and backward, is
 ruled out then."""
 
-PAIRS = 1 << 21
-"""Query-key pairs of a class's timed inputs at least, over their heads (a causal 2048-row block's)."""
+PAIRS = 1 << 23
+"""Query-key pairs of a class's timed inputs at least, over their heads (four causal 2048-row
+blocks': a call of ours takes 10 to 20 ms on 2 cores, several of the scheduler's time slices)."""
 
-MAX_HEADS = 256
-"""Query heads of a class's timed inputs at most."""
+MAX_ELEMENTS = 1 << 24
+"""Elements of any one of a class's timed inputs at most (64 MiB): fewer heads where they would
+be more."""
 
 TOLERANCE = 1e-5
 """The largest error against float64 a candidate may have (max-abs error over max-abs value)."""
@@ -131,14 +135,16 @@ class BlockClass:
         is left as it is): batch 1, a query head a thread at least, so that both kernels' tasks
         (aten's per query head, ours' per query tile forward and per kv head backward) share the
         threads as a block of many heads does, and heads for ``PAIRS`` query-key pairs at least
-        (at most ``MAX_HEADS``): a small block's call takes a few milliseconds, as a site's calls
-        of many segments do, not a scheduler's time slice; whole kv heads' groups."""
+        (within ``MAX_ELEMENTS``), so that a call outlasts the scheduler's time slices, whose
+        interruptions a short call's time would be all noise of (a site's calls of small blocks
+        hold many segments); whole kv heads' groups."""
         pairs = sum(min(i + 1, self.keys) for i in range(self.rows)) if self.causal else self.rows * self.keys
-        hq = min(MAX_HEADS, max(self.threads, -(-PAIRS // pairs)))
-        hq = -(-hq // self.group) * self.group
-        g = torch.Generator().manual_seed(0)
-        shapes = [(hq, self.rows), (hq // self.group, self.keys), (hq // self.group, self.keys), (hq, self.rows)]
-        return tuple(torch.randn(1, h, n, self.head, generator=g) for h, n in shapes)
+        g = self.group
+        room = min(MAX_ELEMENTS // (self.rows * self.head), g * (MAX_ELEMENTS // (self.keys * self.head)))
+        hq = min(max(g, room // g * g), -(-max(self.threads, -(-PAIRS // pairs)) // g) * g)
+        shapes = [(hq, self.rows), (hq // g, self.keys), (hq // g, self.keys), (hq, self.rows)]
+        gen = torch.Generator().manual_seed(0)
+        return tuple(torch.randn(1, h, n, self.head, generator=gen) for h, n in shapes)
 
 
 @dataclasses.dataclass(frozen=True)

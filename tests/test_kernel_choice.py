@@ -168,8 +168,9 @@ def test_the_cpu_entry_runs_what_is_chosen(fresh, monkeypatch, forced):
     names, and computes the same function either way."""
     ran = []
     real_forward, real_backward = cpu_kernel.forward, cpu_kernel.backward
-    monkeypatch.setattr(cpu_kernel, "forward", lambda *a, variant: ran.append(variant) or real_forward(*a, variant=variant))
-    monkeypatch.setattr(cpu_kernel, "backward", lambda *a, variant: ran.append(variant) or real_backward(*a, variant=variant))
+    spy = lambda real: lambda *a, variant: ran.append(variant) or real(*a, variant=variant)  # noqa: E731
+    monkeypatch.setattr(cpu_kernel, "forward", spy(real_forward))
+    monkeypatch.setattr(cpu_kernel, "backward", spy(real_backward))
     aten_forward, aten_backward = kernels._aten_forward, kernels._aten_backward
     monkeypatch.setattr(kernels, "_aten_forward", lambda *a: ran.append("aten") or aten_forward(*a))
     monkeypatch.setattr(kernels, "_aten_backward", lambda *a: ran.append("aten") or aten_backward(*a))
@@ -203,7 +204,8 @@ def test_decisions_are_read_back_and_keyed_by_cpu_model_and_flags(fresh, monkeyp
     assert (again.forward, again.backward, again.why) == ("aten", "ours", "measured")
     # A candidate the file has not timed for the class: timed again, every candidate.
     timer = Timer(ours=(2.0, 1.0), aten=(1.0, 2.0), **{"ours-tk128": (0.5, 0.5)})
-    assert cpu_choice.decide(CLS, {**candidates, "ours-tk128": _ours("ours-tk128")}, path=fresh, timer=timer).forward == "ours-tk128"
+    more = {**candidates, "ours-tk128": _ours("ours-tk128")}
+    assert cpu_choice.decide(CLS, more, path=fresh, timer=timer).forward == "ours-tk128"
     assert timer.calls == [(CLS, ["aten", "ours", "ours-tk128"])]
 
     # The file's name: this CPU's model and flags (and torch's version, the kernel's source).
@@ -244,16 +246,20 @@ def test_the_in_place_path_runs_the_fastest_of_ours(fresh, monkeypatch):
 def test_classes_round_up_and_inputs_fill_the_threads():
     cls = cpu_choice.BlockClass.of(32, 4, 2100, 700, 40, 24, False)
     assert (cls.causal, cls.rows, cls.keys, cls.head, cls.group) == (False, 4096, 1024, 64, 8)
-    assert cpu_choice.BlockClass.of(2, 2, 5, 9000, 300, 8, True).key == f"causal 16x4096 d256 g1 t{torch.get_num_threads()}"
-    for threads, group, rows in [(2, 1, 2048), (3, 2, 4096), (16, 8, 2048), (2, 1, 512), (2, 4, 16)]:
-        cls = cpu_choice.BlockClass(True, rows, 2048, 32, group, threads)
+    threads = torch.get_num_threads()
+    assert cpu_choice.BlockClass.of(2, 2, 5, 9000, 300, 8, True).key == f"causal 16x4096 d256 g1 t{threads}"
+    for threads, group, rows, keys in [(2, 1, 4096, 4096), (3, 2, 4096, 4096), (16, 8, 2048, 2048), (2, 1, 512, 512),
+                                       (2, 4, 16, 4096), (2, 1, 16, 16)]:  # fmt: skip
+        cls = cpu_choice.BlockClass(True, rows, keys, 64, group, threads)
         q, k, v, dout = cls.inputs()
         heads = q.shape[1]
         assert heads >= threads and heads % group == 0 and k.shape[1] == heads // group
-        assert q.shape[2:] == (rows, 32) and k.shape[2:] == v.shape[2:] == (2048, 32) and dout.shape == q.shape
-        per_head = sum(min(i + 1, 2048) for i in range(rows))
-        assert heads * per_head >= cpu_choice.PAIRS or heads >= cpu_choice.MAX_HEADS  # a call long enough
+        assert q.shape[2:] == (rows, 64) and k.shape[2:] == v.shape[2:] == (keys, 64) and dout.shape == q.shape
+        per_head = sum(min(i + 1, keys) for i in range(rows))
+        full = max(x.numel() for x in (q, k, v)) > cpu_choice.MAX_ELEMENTS - max(rows, keys) * 64 * group
+        assert heads * per_head >= cpu_choice.PAIRS or full  # a call long enough, or the inputs as large as allowed
         assert heads - group < max(threads, -(-cpu_choice.PAIRS // per_head))  # and no longer than that takes
+        assert max(x.numel() for x in (q, k, v)) <= cpu_choice.MAX_ELEMENTS or heads == group
 
 
 class Clock:
@@ -309,6 +315,7 @@ def test_describe_and_explain_say_which_kernel_runs_and_why(fresh, monkeypatch):
     assert line.startswith(f"CPU block kernel: measured on {cpu_choice.machine()[0]}: causal 128x128 d16 g1"), line
     monkeypatch.setenv(cpu_choice.ENV, "aten")
     text = str(ring_rewrite.explain(model, q, k, v, segment_lengths=[128], dilation_rates=[1]))
-    assert text.splitlines()[1] == f"CPU block kernel: aten, forced ({cpu_choice.ENV}=aten; a local branch in place runs ours)"
+    forced = f"CPU block kernel: aten, forced ({cpu_choice.ENV}=aten; a local branch in place runs ours)"
+    assert text.splitlines()[1] == forced
     text = str(ring_rewrite.explain(model, *(x.double() for x in (q, k, v)), segment_lengths=[128], dilation_rates=[1]))
     assert "aten's flash kernel, the only candidate" in text.splitlines()[1]
