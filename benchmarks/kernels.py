@@ -25,7 +25,7 @@ machine's cache, or measured now), and the target line says whether what the cho
 forward's forward time plus its backward's backward time, is within 10 % of this run's fastest
 forward plus fastest backward, every case.
 
-    python benchmarks/kernels.py            # 32 cases, about 10 minutes on 2 cores
+    python benchmarks/kernels.py            # 32 cases, about 25 minutes on 2 shared cores
     python benchmarks/kernels.py --quick    # L = 512 and 2048, head size 64: 8 cases
 """
 

@@ -24,8 +24,9 @@ block (float32 without a bias: ``cpu_kernel.serves``), which runs it is measured
   fastest both ways, then rounds in which each of the others runs once, the order rotated, for
   ``BUDGET`` seconds (2 to 9 rounds), and the medians. Forward and backward each run their own
   fastest: a block's backward reads the merged out and lse, whichever kernel made them. A class
-  costs one to three seconds on 2 cores, once a machine; the first also builds ours' variants, a
-  second of CPU each.
+  costs 2 to 3 s on 2 shared cores (a 4096-row class of 128-dim heads about 5 s), once a machine;
+  the first also checks every candidate (half a second) and builds ours' variants (a second of
+  CPU each, side by side).
 * The decisions are cached beside the built libraries (``cpu_kernel.choice_path``: named by the
   CPU's model name and flags, torch's version, the kernel's source and this file's), read and
   written under a file lock, so that the ranks of a machine measure one at a time (the others wait, then read)
