@@ -106,6 +106,10 @@ class Case:
     mask_heads: bool
     sharp: float
     nonfinite: tuple | None
+    bnhd: bool = False
+    """q, k, v given as ``(B, N, H, D)`` and transposed in the graph, as models do (strided)."""
+    offset: float = 0.0
+    """q and k share a direction of this length: every score about ``offset**2 * scale``."""
 
     @property
     def sharded(self) -> bool:
@@ -126,6 +130,8 @@ class Case:
         construction = CONSTRUCTIONS[self.mask]
         if self.n == 0:
             return "alone"
+        if construction.refused and self.n < 2:
+            return "either"  # one position: every mask is a key mask
         if construction.refused:
             return "refuse" if self.sharded else "alone"
         if self.sharded and (construction.key_numbers or _geometry_error(self)):
@@ -147,7 +153,7 @@ class Case:
 
     def key(self) -> tuple:
         """What the compiled graph depends on: cases with equal keys compile to equal graphs."""
-        data_only = {"seed", "pad", "sharp", "nonfinite"} | ({"param"} if self.mask == "pos_band" else set())
+        data_only = {"seed", "pad", "sharp", "offset", "nonfinite"} | ({"param"} if self.mask == "pos_band" else set())
         return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name not in data_only)
 
     def describe(self) -> str:
@@ -163,7 +169,8 @@ class Case:
                      f"({shape}, 1|N, N)" if construction.data in ("key", "dense") else ""]  # fmt: skip
             mask += f"({', '.join(filter(None, parts))})"
         extra = [f"scale={self.scale:g}" if self.scale is not None else "", "causal" if self.causal else "",
-                 f"q x{self.sharp:g}" if self.sharp != 1 else "",
+                 f"q x{self.sharp:g}" if self.sharp != 1 else "", f"q.k +{self.offset**2:g}" if self.offset else "",
+                 "(B, N, H, D) in" if self.bnhd else "",
                  f"{self.nonfinite[1]} in {self.nonfinite[0]}{list(self.nonfinite[2])}" if self.nonfinite else ""]  # fmt: skip
         return " ".join(filter(None, [
             ranks, self.compiler, self.dtype, f"B{self.batch}", heads, f"N{self.n}", f"D{self.d}/Dv{self.dv}",
@@ -440,16 +447,31 @@ def case(seed: int) -> Case:
     mask_heads = construction.data == "key" and rng.random() < 0.25
     sharp = rng.choice([1.0, 1.0, 1.0, 1.0, 3.0, 8.0])
     nonfinite = None
-    if dtype != "bfloat16" and n > 0 and rng.random() < 0.05:
+    if dtype != "bfloat16" and n > 0 and rng.random() < 0.08:
         where = rng.choice(["q", "k", "v"])
         heads = hq if where == "q" else hkv
         nonfinite = (where, rng.choice(["nan", "+inf", "-inf"]),
                      (rng.randrange(batch), rng.randrange(heads), rng.randrange(n), rng.randrange(d if where != "v" else dv)))  # fmt: skip
+    # Draws added later come last, so that a seed keeps the choices made before them.
+    bnhd = rng.random() < 0.25
+    offset = 10.0 if rng.random() < 0.06 else 0.0
+    if rng.random() < 0.04:
+        scale = rng.choice([0.0, -0.7])
+    if construction.data == "key" and fill != "bool" and dtype != "bfloat16" and not nonfinite and rng.random() < 0.15:
+        nonfinite = ("mask", rng.choice(["nan", "+inf"]),
+                     (rng.randrange(batch) if mask_batch else 0, rng.randrange(hq) if mask_heads else 0, 0, rng.randrange(max(n, 1))))  # fmt: skip
+    if n and rng.random() < 0.03:  # large enough that a site cuts its heads into chunks of >= 1 MiB
+        n = rng.choice([1024, 2048] if sharded else [1024, 1031, 2048])
+        batch, hkv, hq, d, dv = 2, 4, rng.choice([4, 8]), 32, 32
+        segment_lengths, dilation_rates = _config(random.Random(seed + 1), n, world, layout if sharded else None)
+        param = _param(random.Random(seed + 2), mask, n)
+        enable_gqa = hq != hkv
+        nonfinite = None
     made = Case(
         seed=seed, world=world, sharding="sharded" if sharded else "replicated", layout=layout, compiler=compiler,
         dtype=dtype, batch=batch, hq=hq, hkv=hkv, enable_gqa=enable_gqa, n=n, d=d, dv=dv, causal=causal, scale=scale,
         segment_lengths=segment_lengths, dilation_rates=dilation_rates, mask=mask, fill=fill, pad=pad, param=param,
-        mask_batch=mask_batch, mask_heads=mask_heads, sharp=sharp, nonfinite=None,
+        mask_batch=mask_batch, mask_heads=mask_heads, sharp=sharp, nonfinite=None, bnhd=bnhd, offset=offset,
     )  # fmt: skip
     if nonfinite and made.expect == "rewrite":  # a site left alone is SDPA's business
         made = dataclasses.replace(made, nonfinite=nonfinite)
@@ -527,9 +549,10 @@ def inputs(c: Case) -> Inputs:
     q = randn(c.batch, c.hq, c.n, c.d) * c.sharp
     k, v = randn(c.batch, c.hkv, c.n, c.d), randn(c.batch, c.hkv, c.n, c.dv)
     dout = randn(c.batch, c.hq, c.n, c.dv)
-    if c.nonfinite:
-        where, value, index = c.nonfinite
-        {"q": q, "k": k, "v": v}[where][index] = float(value)
+    if c.offset:
+        direction = torch.randn(c.d, generator=g, dtype=torch.float64)
+        shared = (c.offset * direction / direction.norm()).to(dtype)
+        q, k = q + shared, k + shared
     kind = CONSTRUCTIONS[c.mask].data
     data, dims = [], []
     if kind == "documents":  # first: m_documents(c, q, doc, pad)
@@ -546,6 +569,9 @@ def inputs(c: Case) -> Inputs:
         data.append(_values(c)), dims.append(1)
     if kind == "dense":
         data.append(_dense_mask(c, g)), dims.append(-1)
+    if c.nonfinite:
+        where, value, index = c.nonfinite
+        (data[-1] if where == "mask" else {"q": q, "k": k, "v": v}[where])[index] = float(value)
     return Inputs(q, k, v, dout, data, dims)
 
 
@@ -632,19 +658,19 @@ def _dense_mask(c: Case, g: torch.Generator) -> torch.Tensor:
 
 
 def site(c: Case) -> Callable:
-    """``attend(q, k, v, *data)``: the site as a model writes it."""
+    """``attend(q, k, v, *data)``: the site as a model writes it (with ``c.bnhd``, q, k, v and
+    the result ``(B, N, H, D)``, transposed in the graph)."""
     build = CONSTRUCTIONS[c.mask].build
     sdpa = dict(scale=c.scale, enable_gqa=c.enable_gqa)
 
-    if build is None:
-
-        def attend(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **sdpa)
-
-    else:
-
-        def attend(q, k, v, *data):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=build(c, q, *data), **sdpa)
+    def attend(q, k, v, *data):
+        if c.bnhd:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if build is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=c.causal, **sdpa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=build(c, q, *data), **sdpa)
+        return out.transpose(1, 2) if c.bnhd else out
 
     return attend
 
@@ -675,7 +701,10 @@ def _pairs_reference(q, k, v, counts, bias, scale) -> torch.Tensor:
     softmax, times the values. A pair that is not connected takes part in no product, so a NaN
     or inf reaches exactly what the function makes it reach; a row with nothing to attend (every
     score ``-inf``) gives 0 and no gradient. ``counts (Hq, N, N)``, ``bias (B|1, Hq|1, N, N)``.
-    Rows in chunks, each recomputed in the backward: memory O(chunk x N)."""
+    Rows in chunks, each recomputed in the backward: memory O(chunk x N). Where every input is
+    finite, a pair that is not connected adds exactly 0 to every product (its probability and
+    its score's gradient are 0), so the rows are evaluated as dense products then (fast at 2k
+    tokens); the function is the same."""
     b, hq, n, _ = q.shape
     dv = v.shape[-1]
     if n == 0:
@@ -684,15 +713,23 @@ def _pairs_reference(q, k, v, counts, bias, scale) -> torch.Tensor:
     bias = torch.zeros(1, 1, n, n, dtype=torch.float64) if bias is None else bias
     bias = bias.expand(b, hq, n, n)
     connected = (counts > 0) & (bias != float("-inf"))
-    rows = max(1, (1 << 22) // max(1, b * hq * n * max(q.shape[-1], dv)))
+    finite = all(bool(x.isfinite().all()) for x in (q, k, v)) and not bool((bias.isnan() | (bias == float("inf"))).any())
+    rows_of, size = (_dense_rows, b * hq * n) if finite else (_pair_rows, b * hq * n * max(q.shape[-1], dv))
+    rows = max(1, (1 << 22) // max(1, size))
     outs = []
     for start in range(0, n, rows):
         stop = min(start + rows, n)
         outs.append(torch.utils.checkpoint.checkpoint(
-            _pair_rows, q[:, :, start:stop].double(), k, v, counts[:, start:stop], bias[:, :, start:stop],
+            rows_of, q[:, :, start:stop].double(), k, v, counts[:, start:stop], bias[:, :, start:stop],
             connected[:, :, start:stop], scale, use_reentrant=False,
         ))  # fmt: skip
     return torch.cat(outs, 2)
+
+
+def _dense_rows(q, k, v, counts, bias, connected, scale):
+    s = torch.where(connected, scale * q @ k.transpose(-1, -2) + counts.log() + bias, float("-inf"))
+    live = ~(s == float("-inf")).all(-1, keepdim=True)
+    return (torch.softmax(torch.where(live, s, 0.0), -1) * live) @ v
 
 
 def _pair_rows(q, k, v, counts, bias, connected, scale):
@@ -728,30 +765,44 @@ def _forward_backward(fn, tensors: Inputs, dtype=None, *data):
 
 
 def function_reference(c: Case, x: Inputs):
-    """The rewritten function: ``(float64 out/grads, the same function by SDPA in the case's
-    dtype)``, the second None where the inputs hold a NaN or inf."""
+    """The rewritten function: ``(float64 out/grads, SDPA's out/grads computing the same
+    function in the case's dtype, and the float64 ones those are measured against)``. Where the
+    inputs hold a NaN or inf, SDPA's error is measured on a finite twin (the value 0 in its
+    place: SDPA's dense products spread a NaN further than the function does)."""
     counts = connection_counts(c.n, c.hq, c.branches, is_causal=c.causal and c.mask == "none")
-    bias = dense_mask(c, x.data)
     scale = c.d**-0.5 if c.scale is None else c.scale
-    expected = _forward_backward(lambda q, k, v: _pairs_reference(q, k, v, counts, bias, scale), x, torch.float64)
-    if c.nonfinite:
-        return expected, None
-    # -inf where not connected; 4-D, as a model passes a mask (a 3-D one sends SDPA to another
-    # kernel on CPU, with another error)
-    total = (counts.log() + (0.0 if bias is None else bias)).expand(c.batch, c.hq, c.n, c.n)
-    sdpa_bias = total.float() if c.dtype == "bfloat16" else total.to(DTYPES[c.dtype])
 
-    def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias, scale=scale, enable_gqa=c.hq != c.hkv)
+    def evaluate(x: Inputs):
+        bias = dense_mask(c, x.data)
+        expected = _forward_backward(lambda q, k, v: _pairs_reference(q, k, v, counts, bias, scale), x, torch.float64)
+        # -inf where not connected; 4-D, as a model passes a mask (a 3-D one sends SDPA to
+        # another kernel on CPU, with another error)
+        total = (counts.log() + (0.0 if bias is None else bias)).expand(c.batch, c.hq, c.n, c.n)
+        sdpa_bias = total.float() if c.dtype == "bfloat16" else total.to(DTYPES[c.dtype])
 
-    return expected, _forward_backward(sdpa, x)
+        def sdpa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias, scale=scale, enable_gqa=c.hq != c.hkv)
+
+        return expected, _forward_backward(sdpa, x)
+
+    expected, baseline = evaluate(x)
+    if not c.nonfinite:
+        return expected, baseline, expected
+    twin, twin_baseline = evaluate(inputs(dataclasses.replace(c, nonfinite=c.nonfinite[:1] + ("0",) + c.nonfinite[2:])))
+    return expected, twin_baseline, twin
 
 
 def sdpa_reference(c: Case, x: Inputs):
-    """A site left alone runs as written: SDPA's own function, in float64 and in the case's dtype."""
-    attend = site(c)
+    """A site left alone runs as written: SDPA's own function in float64, what the case's
+    compiler makes of the site without the backend (the baseline: inductor lowers SDPA its own
+    way, with its own error), and float64 again (what the baseline is measured against)."""
+    attend = site(dataclasses.replace(c, bnhd=False))
     data64 = [t.double() if t.is_floating_point() else t for t in x.data]
-    return _forward_backward(attend, x, torch.float64, *data64), _forward_backward(attend, x, None, *x.data)
+    expected = _forward_backward(attend, x, torch.float64, *data64)
+    torch._dynamo.reset()
+    _Compiled.key = None
+    plain = torch.compile(attend, backend=c.compiler, fullgraph=True, dynamic=False)
+    return expected, _forward_backward(plain, x, None, *x.data), expected
 
 
 # ---- running one case -------------------------------------------------------------------------
@@ -822,13 +873,17 @@ def run(c: Case) -> Result:
 
 def _judge(c: Case) -> Result:
     x = inputs(c)
-    leaves = [_cut(t, 2, c).requires_grad_() for t in (x.q, x.k, x.v)]
+    given = (lambda t: t.transpose(1, 2).contiguous()) if c.bnhd else (lambda t: t)  # noqa: E731
+    seq = 1 if c.bnhd else 2
+    leaves = [_cut(given(t), seq, c).requires_grad_() for t in (x.q, x.k, x.v)]
     data = [_cut(t, dim, c) for t, dim in zip(x.data, x.seq_dims)]
     try:
         fn, backend = _compiled(c)
         out = fn(*leaves, *data)
-        got = [out.detach(), *(torch.autograd.grad(out, leaves, _cut(x.dout, 2, c)) if out.numel() else
+        got = [out.detach(), *(torch.autograd.grad(out, leaves, _cut(given(x.dout), seq, c)) if out.numel() else
                                [torch.zeros_like(t) for t in leaves])]  # fmt: skip
+        if c.bnhd:
+            got = [t.transpose(1, 2) for t in got]
     except Exception as e:
         _Compiled.key = None
         text = f"{type(e).__name__}: {e}"
@@ -847,10 +902,9 @@ def _judge(c: Case) -> Result:
     if c.expect == "alone" and (record.rewritten or not any(r in (record.reason or "") for r in c.expected_reasons)):
         why = "rewritten" if record.rewritten else f"left alone for another reason: {record.reason}"
         return Result(c.seed, False, outcome, f"{why}; expected left alone: {' or '.join(c.expected_reasons)}")
-    expected, same_function = (function_reference if record.rewritten else sdpa_reference)(c, x)
-    expected = [_cut(t, 2, c) for t in expected]
-    baseline = [_cut(t, 2, c) for t in same_function] if same_function is not None else None
-    problems, errors = _compare(c, got, expected, baseline)
+    references = (function_reference if record.rewritten else sdpa_reference)(c, x)
+    expected, baseline, baseline_expected = ([_cut(t, 2, c) for t in tensors] for tensors in references)
+    problems, errors = _compare(c, got, expected, baseline, baseline_expected)
     if problems:
         return Result(c.seed, False, outcome, "; ".join(problems), errors)
     return Result(c.seed, True, outcome, errors=errors)
@@ -870,7 +924,7 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
     return rel_err(a, b)
 
 
-def _compare(c: Case, got, expected, baseline) -> tuple[list[str], dict[str, float]]:
+def _compare(c: Case, got, expected, baseline, baseline_expected) -> tuple[list[str], dict[str, float]]:
     """What differs, and each tensor's error: the entries that are not finite where the
     reference's are (or the other way), or the finite ones beyond the bound
     ``max(TOL, 2x SDPA's own error)``."""
@@ -885,9 +939,8 @@ def _compare(c: Case, got, expected, baseline) -> tuple[list[str], dict[str, flo
             problems.append(f"{name}: {int(bad.sum())} entries not finite where the reference has {int(want.sum())}")
             continue
         err = _error(g[~want], e[~want])
-        own = 0.0
-        if baseline is not None:
-            own = _error(torch.nan_to_num(baseline[i].double(), nan=0.0)[~want], e[~want])
+        sure = ~want & torch.isfinite(baseline_expected[i])  # the entries ours is measured on
+        own = _error(torch.nan_to_num(baseline[i].double(), nan=0.0)[sure], baseline_expected[i][sure])
         bound = max(TOL[c.dtype], 2 * own)
         errors[name] = err
         if not err <= bound:
