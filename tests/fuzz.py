@@ -124,9 +124,9 @@ class Case:
 
     @property
     def expect(self) -> str:
-        """What the backend must do: ``"rewrite"``; ``"alone"`` (left alone with
-        ``expected_reason``); ``"refuse"`` (an error naming ``expected_reason``); ``"either"``
-        (rewritten and right, left alone and right, or an error naming ``expected_reason``)."""
+        """What the backend must do: ``"rewrite"``; ``"alone"`` (left alone for one of
+        ``expected_reasons``); ``"refuse"`` (an error naming one); ``"either"`` (rewritten and
+        right, left alone and right, or an error naming one)."""
         construction = CONSTRUCTIONS[self.mask]
         if self.n == 0:
             return "alone"
@@ -678,17 +678,28 @@ def site(c: Case) -> Callable:
 def dense_mask(c: Case, data: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The mask the site gives SDPA over the whole sequence, as the float64 bias the function
     adds: ``-inf`` where masked, a fill at or below half the dtype's lowest read as ``-inf``
-    (docs/masks.md, Key-padding masks); ``(B|1, H|1, N, N)``."""
+    (docs/masks.md, Key-padding masks); ``(B|1, H|1, N, N)``. A NaN or inf in a key mask reaches
+    the pairs the mask's other parts allow (a causal band's ``-inf`` stays ``-inf``: the mask is
+    an AND of its parts, docs/semantics.md, Masks), not every pair of its key."""
     build = CONSTRUCTIONS[c.mask].build
     if build is None:
         return None
+    placed = c.nonfinite is not None and c.nonfinite[0] == "mask"
+    if placed:  # the mask of the finite key mask, then the value where that allows the key
+        b, h, _, t = c.nonfinite[2]
+        data = [data[0].clone().index_put_((torch.tensor(b), torch.tensor(h), torch.tensor(0), torch.tensor(t)), torch.tensor(0.0, dtype=data[0].dtype)), *data[1:]]
     mask = build(c, torch.empty(c.batch, c.hq, c.n, 1, dtype=DTYPES[c.dtype]), *data)
     if mask.dim() == 4 and mask.shape[-2] == 1:
         mask = mask.expand(*mask.shape[:2], c.n, c.n)
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
     lowest = torch.finfo(mask.dtype).min / 2
-    return mask.double().masked_fill(mask <= lowest, float("-inf"))
+    bias = mask.double().masked_fill(mask <= lowest, float("-inf"))
+    if placed:
+        bias = bias.expand(c.batch, c.hq, c.n, c.n).clone()
+        column = bias[b if c.mask_batch else slice(None), h if c.mask_heads else slice(None), :, t]
+        column.masked_fill_(column != float("-inf"), float(c.nonfinite[1]))
+    return bias
 
 
 # ---- the float64 references -------------------------------------------------------------------
@@ -875,8 +886,9 @@ def _judge(c: Case) -> Result:
     x = inputs(c)
     given = (lambda t: t.transpose(1, 2).contiguous()) if c.bnhd else (lambda t: t)  # noqa: E731
     seq = 1 if c.bnhd else 2
-    leaves = [_cut(given(t), seq, c).requires_grad_() for t in (x.q, x.k, x.v)]
-    data = [_cut(t, dim, c) for t, dim in zip(x.data, x.seq_dims)]
+    # Copies: the site must not write into them (compared after), nor into x (the references').
+    leaves = [_cut(given(t), seq, c).clone().requires_grad_() for t in (x.q, x.k, x.v)]
+    data = [_cut(t, dim, c).clone() for t, dim in zip(x.data, x.seq_dims)]
     try:
         fn, backend = _compiled(c)
         out = fn(*leaves, *data)
@@ -891,6 +903,14 @@ def _judge(c: Case) -> Result:
         if c.expect in ("refuse", "either") and any(reason in text for reason in c.expected_reasons):
             return Result(c.seed, True, "raised", fatal=fatal)
         return Result(c.seed, False, "error", f"raised {_first_lines(text)}", fatal=fatal)
+    written = [
+        f"{name} ({int((a != b).sum())} of {a.numel()} entries)"
+        for name, a, b in zip(("q", "k", "v", *(f"data[{i}]" for i in range(len(data)))), [*leaves, *data],
+                              [_cut(given(t), seq, c) for t in (x.q, x.k, x.v)] + [_cut(t, dim, c) for t, dim in zip(x.data, x.seq_dims)])
+        if not torch.equal(a.detach().nan_to_num(), b.nan_to_num())
+    ]  # fmt: skip
+    if written:
+        return Result(c.seed, False, "error", f"the site wrote into its inputs: {', '.join(written)}")
     if not backend.records:
         return Result(c.seed, False, "error", "no site recorded")
     record = backend.records[-1]  # the site's, at its latest compile
