@@ -5,6 +5,8 @@ names the seed and the case, and ``python tests/fuzz.py --seed S`` runs it again
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import fuzz
@@ -29,9 +31,20 @@ def _sample() -> tuple[list[int], list[int]]:
 ONE_RANK, TWO_RANK = _sample()
 
 
-@pytest.mark.parametrize("seed", ONE_RANK)
-def test_one_rank(seed):
+@pytest.fixture
+def quiet():
+    """``fuzz.quiet()`` for one test: the loggers' levels are put back after it (later tests
+    assert on the warnings of sites left alone)."""
+    loggers = [logging.getLogger(name) for name in ("ring_rewrite", "torch._dynamo", "torch._inductor")]
+    levels = [x.level for x in loggers]
     fuzz.quiet()
+    yield
+    for x, level in zip(loggers, levels):
+        x.setLevel(level)
+
+
+@pytest.mark.parametrize("seed", ONE_RANK)
+def test_one_rank(seed, quiet):
     result = fuzz.run(fuzz.case(seed))
     assert result.ok, result.message
 
