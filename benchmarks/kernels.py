@@ -68,16 +68,8 @@ def _inputs(case: dict) -> tuple[torch.Tensor, ...]:
 
 def _reference(q, k, v, dout, scale: float, causal: bool) -> list[torch.Tensor]:
     """out, lse, dq of query head 0 and dk, dv of kv head 0 given dout on query head 0 alone, in
-    float64 (the gradients written out, as ``cpu_choice._float64``)."""
-    q, k, v, dout = (x[:, :1].double() for x in (q, k, v, dout))
-    s = q @ k.transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).tril().logical_not(), float("-inf"))
-    lse = s.logsumexp(-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    out = p @ v
-    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
-    return [out, lse, ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ dout]
+    float64."""
+    return cpu_choice.float64_block(*(x[:, :1] for x in (q, k, v, dout)), scale, causal)
 
 
 def _check(candidate: cpu_choice.Candidate, case: dict, inputs, expected) -> dict[str, float]:

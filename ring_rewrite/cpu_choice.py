@@ -62,7 +62,7 @@ import torch
 
 __all__ = [
     "ENV", "Candidate", "BlockClass", "Decision", "decide", "forced", "check", "measure", "machine", "decisions",
-    "describe",
+    "describe", "float64_block",
 ]  # fmt: skip
 
 ENV = "RING_REWRITE_CPU_KERNEL"
@@ -217,11 +217,15 @@ def _check_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
 
 @functools.cache
 def _float64(case: tuple) -> list[torch.Tensor]:
-    """``out, lse, dq, dk, dv`` of a case of ``CHECKS`` in float64, GQA by head groups, causal
-    top-left; the gradients written out (FlashAttention-2's backward, as ``flash_cpu.c``'s header
-    gives it), since a kernel's op may run where autograd does not record."""
-    q, k, v, dout = (x.double() for x in _check_inputs(case))
-    scale, causal = case[5] ** -0.5, case[-1]
+    """``float64_block`` of a case of ``CHECKS``."""
+    return float64_block(*_check_inputs(case), case[5] ** -0.5, case[-1])
+
+
+def float64_block(q, k, v, dout, scale: float, causal: bool) -> list[torch.Tensor]:
+    """``out, lse, dq, dk, dv`` of one block in float64, GQA by head groups, causal top-left; the
+    gradients written out (FlashAttention-2's backward, as ``flash_cpu.c``'s header gives it),
+    since a kernel's op may run where autograd does not record."""
+    q, k, v, dout = (x.double() for x in (q, k, v, dout))
     group = q.shape[1] // k.shape[1]
     kx, vx = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = q @ kx.transpose(-1, -2) * scale

@@ -289,14 +289,9 @@ def m_prefix_lm(c, q, *data):
 def m_packed(c, q, pos):
     """transformers' packed-sequence mask from ``position_ids``: documents where positions
     restart, causal on the position values."""
-    b, n = pos.shape
-    diff = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
-    seg = (diff != 1).cumsum(-1)
-    batch = torch.arange(b)[:, None, None, None]
-    q_idx, kv_idx = torch.arange(n)[None, None, :, None], torch.arange(n)[None, None, None, :]
-    mask = q_idx.new_ones((), dtype=torch.bool) & (pos[batch, kv_idx] <= pos[batch, q_idx])
-    mask = mask & (seg[batch, q_idx] == seg[batch, kv_idx])
-    return _filled(c, q, mask.expand(b, -1, n, n))
+    from test_masks import hf_packed
+
+    return _filled(c, q, hf_packed(q, pos))
 
 
 def m_documents(c, q, doc, *data):
