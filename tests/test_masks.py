@@ -762,3 +762,17 @@ def test_float64_masks_at_the_dtypes_lowest_run(segs, rates):
     _check_documents(
         _causal_and_padding_min_fill, _left_pad(2, 48), segs, rates, "inductor", dtype=torch.float64, documents=False
     )
+
+
+def _min_fills_on_ranks(rank, world):
+    for dtype in (torch.float32, torch.float64):
+        _check_documents(
+            _causal_and_padding_min_fill, _left_pad(2, 64), [16, 64], [1, 2], "inductor", world=world, rank=rank,
+            n=64, dtype=dtype, documents=False,
+        )  # fmt: skip
+
+
+def test_finfo_min_fills_across_ranks_match_reference():
+    """The same fills (a key bias and a causal part at the dtype's lowest) at P = 2, replicated,
+    dilated, under inductor, with gradients, float32 and float64."""
+    run_ranks(2, _min_fills_on_ranks)
