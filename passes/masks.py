@@ -297,6 +297,14 @@ class _Reader:
             return Op("ne", (e, Const(0)))
         if dtype is not None and dtype.is_floating_point and source == torch.bool:
             return Op("where", (e, Const(1.0), Const(0.0)))
+        both = len(_shape(x)) >= 2 and {len(_shape(x)) - 2, len(_shape(x)) - 1} <= _free_dims(e)
+        if both and _rounds(source, dtype) and not _exact_choices(e, dtype):
+            # The rounding is of the difference (ALiBi's slope_h * (t - p) cast to bfloat16),
+            # which no key bias less the row's own reproduces.
+            raise NotStructured(
+                f"a bias of query and key positions rounded from {source} to {dtype}, which no key "
+                "bias reproduces; a key bias (ALiBi as slope_h * t, as BLOOM and MPT write it) is read"
+            )
         return e
 
     def _unsqueeze(self, x, dim: int):
@@ -386,6 +394,23 @@ def _fill(target, args):
     if target in ("new_zeros", torch.zeros):
         return 0
     return args[-1]
+
+
+def _rounds(source: torch.dtype | None, dtype: torch.dtype | None) -> bool:
+    """Whether a cast from float ``source`` to float ``dtype`` can round a value."""
+    floats = source is not None and dtype is not None and source.is_floating_point and dtype.is_floating_point
+    return floats and torch.finfo(dtype).eps > torch.finfo(source).eps
+
+
+def _exact_choices(e, dtype: torch.dtype) -> bool:
+    """Whether every value ``e`` takes is a constant that ``dtype`` holds (a mask's ``where`` of
+    0 and a fill): a cast to ``dtype`` then changes nothing the reading depends on."""
+    if isinstance(e, Const):
+        value = e.value
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return isinstance(value, bool)
+        return masks(value, dtype) or float(torch.tensor(value, dtype=dtype)) == value
+    return isinstance(e, Op) and e.name == "where" and all(_exact_choices(a, dtype) for a in e.args[1:])
 
 
 def _dtype_arg(args, kwargs):

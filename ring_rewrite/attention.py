@@ -21,6 +21,14 @@ accumulators travelling one step behind back to their owner. An accumulator star
 rank that holds borrowed K/V; the owner keeps its own share: ``G - 1`` dK/dV messages per ring of
 ``G`` ranks, where ring-flash-attention and torch's ring send ``G`` (at ``G = 2``, half).
 
+``O`` is saved as the blocks computed it (``compute_dtype``: float32 for 16-bit inputs on CPU),
+not as the site returns it. ``rowsum(dO * O)`` must cancel against the blocks' own ``exp(s - L)``
+(the row sums of ``dS`` are 0): an ``O`` rounded to bfloat16 leaves each row of ``dS`` a sum of
+about 2^-8 of ``dO·O``, which ``dq`` sees multiplied by ``|k|`` (and ``dk`` by ``|q|``) where the
+true gradient cancels it. With keys sharing an offset of 100 that was tens of times the error of the
+same kernel with ``O`` in float32 (and of SDPA's math kernel); the cost is 2 bytes per output
+entry more saved per site.
+
 Note [Head chunks]
 ~~~~~~~~~~~~~~~~~~
 Heads never interact, so a ring branch may run its whole ring for a slice of the heads, then
@@ -792,6 +800,8 @@ class _Forward(_Call):
             return
         with role("merge"):
             out, self.lse = merge_partials(self.outs, self.lses)
+            # Saved as the blocks computed it (Note [Backward from the merged statistics]).
+            self.saved_out = out.to(self.plan.compute_dtype)
             self.out = out.to(self.plan.dtype)
 
     def undilate(self, step: Undilate) -> None:
@@ -826,7 +836,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     out = run.gathered if plan.replicated else run.out
     with role("p2p"):
         rotater.close([out, run.lse])  # the forward's call ends; its token goes to the backward
-    saved = [q, k, v, run.out, run.lse, *(x for x in (mask, docs, rotater.token, seed) if x is not None)]
+    saved = [q, k, v, run.saved_out, run.lse, *(x for x in (mask, docs, rotater.token, seed) if x is not None)]
     return out, saved
 
 

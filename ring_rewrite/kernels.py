@@ -123,7 +123,20 @@ def _cpu_class(q, k, v, is_causal) -> cpu_choice.BlockClass:
     return cpu_choice.BlockClass.of(q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], is_causal)
 
 
+def _causal_as_bias(q, k, bias, scale, is_causal):
+    """``(bias, is_causal)`` for aten's kernel. NOTE: with ``is_causal`` and a scale of 0 or
+    below, torch 2.13's CPU flash forward returns NaN rows (its causal ``-inf`` times the scale):
+    the diagonal then goes into the bias, for the backward too, so both recompute the same
+    weights."""
+    if not (is_causal and scale <= 0):
+        return bias, is_causal
+    above = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+    zero = torch.zeros((), dtype=q.dtype if bias is None else bias.dtype, device=q.device)
+    return torch.where(above, float("-inf"), zero if bias is None else bias), False
+
+
 def _aten_forward(q, k, v, bias, scale, is_causal):
+    bias, is_causal = _causal_as_bias(q, k, bias, scale, is_causal)
     # A NaN or inf: aten's products would take it to pairs that do not attend (Note [Non-finite
     # values] in cpu_kernel.py).
     if q.shape[2] and k.shape[2] and not _finite(q, k, v, bias=bias):
@@ -138,6 +151,7 @@ def _aten_forward(q, k, v, bias, scale, is_causal):
 
 
 def _aten_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
+    bias, is_causal = _causal_as_bias(q, k, bias, scale, is_causal)
     # out too: its NaN rows may come from another block (Note [Non-finite values] in cpu_kernel.py).
     if q.shape[2] and k.shape[2] and not _finite(dout, q, k, v, out, bias=bias, lse=lse):
         return nonfinite_backward(dout, q, k, v, out, lse, bias, scale, is_causal)

@@ -122,8 +122,10 @@ def _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
             allowed = allowed.view(1, 1, r1 - r0, -1)
             if qdoc is not None:
                 allowed = allowed & relation(kdoc[:, :, None, :], qdoc[:, :, r0:r1, None])
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-            chunk = mask if chunk is None else chunk + mask
+            # where, not a sum: a NaN in the key bias must not reach pairs outside the band
+            # (Note [Non-finite values] in cpu_kernel.py).
+            outside = torch.tensor(float("-inf"), dtype=dtype, device=q.device)
+            chunk = torch.where(allowed, outside.new_zeros(()) if chunk is None else chunk, outside)
         if own is not None:
             chunk = chunk - own[:, :, r0:r1]
         yield r0, r1, chunk

@@ -139,8 +139,8 @@ def branch_bytes_sent(plan: SitePlan, branch) -> dict[str, int]:
 def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
     """Estimated activation memory of the site on this rank, in bytes (Note [Memory of a site]).
 
-    ``saved``: what forward keeps for backward (merged out and lse, float32 or float64; q, k, v are the
-    inputs'). ``peak``: the most the site holds at once beyond its inputs, forward or backward: the
+    ``saved``: what forward keeps for backward (merged out in the blocks' dtype, lse in float32 or
+    float64; q, k, v are the inputs'). ``peak``: the most the site holds at once beyond its inputs, forward or backward: the
     saved tensors, each branch's results until one kernel merges or sums them, a ring's buffers, a
     branch's dilated copies and the block kernel's scratch.
     """
@@ -154,9 +154,10 @@ def _itemsizes(plan: SitePlan) -> tuple[int, int, int]:
 
 
 def _site_out(plan: SitePlan) -> tuple[int, int]:
-    """Bytes of the site's merged out and lse on this rank."""
+    """Bytes of the site's merged out (as the blocks computed it: what the backward reads) and
+    lse on this rank."""
     rows = plan.batch * plan.hq * plan.n_local
-    return rows * plan.dv * _itemsize(plan.dtype), rows * _itemsize(plan.stat_dtype)
+    return rows * plan.dv * _itemsize(plan.compute_dtype), rows * _itemsize(plan.stat_dtype)
 
 
 def _dilated_rows(plan: SitePlan, branch) -> tuple[int, int]:
