@@ -17,8 +17,6 @@ FOUND = {
     5002: "a NaN in a float key mask reached rows the causal band masks (float64, aten's path)",
     10680: "the same in a dilated branch (float32)",
     10391: "a scale of 0 with a causal block: aten's CPU flash forward returns NaN rows",
-    10645: "bfloat16 dq and dk from a rounded saved out, keys sharing an offset of 100",
-    10004: "bfloat16 dq and dk, a prefix-LM mask with left padding",
     21814: "a negative scale with a causal block and a bias: aten's CPU flash forward returns NaN rows",
     20241: "the same, its backward then recomputed other weights than the careful forward's",
     21466: "ALiBi written relative and cast to bfloat16 was read without its rounding",
