@@ -35,6 +35,7 @@ BENCHMARKS = {
     "overlap": ("overlap.py", [], "overlap.json"),
     "alibi_accuracy": ("alibi_accuracy.py", [], "alibi_accuracy.json"),
     "decode": ("decode.py", [], "decode.json"),
+    "lengths": ("lengths.py", [], "lengths.json"),
 }
 
 

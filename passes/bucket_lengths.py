@@ -33,6 +33,22 @@ symbolic length (an order of documents other than equality, a band that depends 
 the site specialises as before.
 
 Cross attention (Note [Self or cross attention] in ``find_sdpa.py``) is not touched.
+
+Note [Padding to a bucket]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Padding is the same function (the padded keys are masked, or come after every real query of a
+causal site), but computed it would cost the bucket's tokens, not the sequence's: one token past
+a power of two would cost the next power's whole attention. So a causal site without a mask
+keeps its real length: the padded SDPA node carries the graph node of ``s0`` (meta ``REAL``),
+``rewrite_sdpa`` gives the site the count as a 0-d tensor input (``real``) in one process, and
+the site's local branches run their kernel on the real rows only: per branch the segments that
+hold real positions, the last of them cut to its real rows (``ops._real_calls``; each head's
+real rows are a prefix of its dilated sequence, ``BranchLayout.real_rows``). Causal rows attend
+no later key, so cutting the rows cuts the keys. The graph is the bucket's; the count is read
+when the kernels run. Not yet: sites with a mask (their keys past ``s0`` are masked, and
+computed), ring branches and more than one rank, local branches that are gathered rather than
+read in place (16-bit inputs on CPU, layouts ``BranchLayout.in_place`` refuses): those compute
+the bucket.
 """
 
 from __future__ import annotations
@@ -54,9 +70,11 @@ from .find_sdpa import SdpaSite, cross_attention_reason, find_sdpa_sites
 from .masks import MaskStructure, key_mask, key_values, mask_structure
 from .records import records, sharded
 
-__all__ = ["NAME", "bucket_lengths", "bucket"]
+__all__ = ["NAME", "REAL", "bucket_lengths", "bucket"]
 
 NAME = "length_buckets"
+REAL = "ring_rewrite_real_length"
+"""The meta key of a padded causal site's node: the graph node of its real length."""
 
 
 def bucket(n: int) -> int:
@@ -148,6 +166,8 @@ def _pad_site(
         out = call(_unpadded, padded, length)
     propagate_example_values(new[1:])
     padded.meta = {**node.meta, "example_value": padded.meta["example_value"]}
+    if site.attn_mask is None and site.is_causal:
+        padded.meta[REAL] = length  # the rewrite computes only the real rows (Note [Padding to a bucket])
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     if structure is not None:

@@ -69,6 +69,7 @@ from ring_rewrite.p2p import (
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
+from .bucket_lengths import REAL
 from .find_sdpa import (
     SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
     is_caller_input, is_decode_step, local_positions, sdpa_unsupported_reason, sharded_cache_keys, static_strides,
@@ -523,6 +524,13 @@ def _rewrite_site(
             stamp(seed, index, stack, role="dropout")
             args.append(seed)
             names.append("seed")
+        real = node.meta.get(REAL)
+        if real is not None and plan.world == 1:
+            # A causal sequence padded to its length bucket: the blocks skip the padding.
+            count = graph.call_function(torch.ops.aten.scalar_tensor.default, (real,), {"dtype": torch.int64})
+            stamp(count, index, stack, role="bucket")
+            args.append(count)
+            names.append("real")
         saved = ["q", "k", "v", "out", "lse", *names[3:]]
         inputs = [site.query, site.key, site.value, site.attn_mask if structure is None else None]
         strides = tuple(static_strides(site.meta(x)) for x in inputs)

@@ -640,11 +640,14 @@ class _Inputs:
     mask: torch.Tensor | None
     docs: torch.Tensor | None
     dout: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    """A causal site's count of real positions, where its sequence is padded to a length bucket
+    (``site_forward``): the local branches compute only those rows."""
 
     @classmethod
-    def take(cls, plan: SitePlan, qkv: tuple, mask, docs, dout=None) -> _Inputs:
-        """``qkv`` (q, k, v), ``mask``, ``docs`` and the backward's ``dout``, as the site's
-        blocks read them."""
+    def take(cls, plan: SitePlan, qkv: tuple, mask, docs, dout=None, real=None) -> _Inputs:
+        """``qkv`` (q, k, v), ``mask``, ``docs``, the backward's ``dout`` and ``real``, as the
+        site's blocks read them."""
         q = qkv[0]
         with role("shard"):
             padded = _padded(plan, *qkv, *([] if dout is None else [dout]))
@@ -652,7 +655,7 @@ class _Inputs:
             local = [_local(plan, x) for x in padded]
             mask_local = None if mask_padded is None else _local(plan, mask_padded)
             docs_padded = None if docs is None else _padded(plan, docs)[0]
-        return cls(padded[0], *local[:3], mask_local, docs_padded, *local[3:])
+        return cls(padded[0], *local[:3], mask_local, docs_padded, *(local[3:] or [None]), real)
 
 
 class _Call:
@@ -781,7 +784,7 @@ class _Forward(_Call):
         with role("attention", branch=blk.branch):
             torch.ops.ring_rewrite.dilated_block_attention(
                 self.outs[0], self.lses[0], x.q, x.k, x.v, _fields(plan.branches[blk.branch].layout), plan.scale,
-                plan.is_causal, write and first,
+                plan.is_causal, write and first, *_real(x),
             )  # fmt: skip
 
     def wait(self, step: Wait) -> None:
@@ -800,9 +803,10 @@ class _Forward(_Call):
             return
         with role("merge"):
             out, self.lse = merge_partials(self.outs, self.lses)
-            # Saved as the blocks computed it (Note [Backward from the merged statistics]).
-            self.saved_out = out.to(self.plan.compute_dtype)
             self.out = out.to(self.plan.dtype)
+            # Saved as the blocks computed it (Note [Backward from the merged statistics]).
+            same = self.plan.compute_dtype == self.plan.dtype
+            self.saved_out = self.out if same else out.to(self.plan.compute_dtype)
 
     def undilate(self, step: Undilate) -> None:
         i = step.branch
@@ -824,19 +828,27 @@ class _Forward(_Call):
             self.gathered = _unpadded(self.plan, gathered)
 
 
-def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None):
-    """``(q, k, v[, mask][, token][, seed]) -> (out, saved)``; ``mask`` is an additive key bias
-    ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the site's
-    transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout. Runs the
-    plan's forward program (Note [The site program] in ``program.py``)."""
+def _real(x: _Inputs) -> list[torch.Tensor]:
+    """The in-place ops' optional last argument: a bucketed causal site's count of real
+    positions."""
+    return [] if x.real is None else [x.real]
+
+
+def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None, real=None):
+    """``(q, k, v[, mask][, token][, seed][, real]) -> (out, saved)``; ``mask`` is an additive
+    key bias ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the
+    site's transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout,
+    ``real`` (a 0-d int64 tensor) counts the real positions of a causal sequence padded to a
+    length bucket (``passes/bucket_lengths.py``). Runs the plan's forward program (Note [The site
+    program] in ``program.py``)."""
     rotater = Rotater(plan.group_name, token)
-    run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs), seed)
+    run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, real=real), seed)
     for step in plan.forward_program.steps:
         run.run(step)
     out = run.gathered if plan.replicated else run.out
     with role("p2p"):
         rotater.close([out, run.lse])  # the forward's call ends; its token goes to the backward
-    saved = [q, k, v, run.saved_out, run.lse, *(x for x in (mask, docs, rotater.token, seed) if x is not None)]
+    saved = [q, k, v, run.saved_out, run.lse, *(x for x in (mask, docs, rotater.token, seed, real) if x is not None)]
     return out, saved
 
 
@@ -1037,7 +1049,7 @@ class _Backward(_Call):
         with role("attention_backward", branch=blk.branch):
             torch.ops.ring_rewrite.dilated_block_backward(
                 *self.totals, x.dout, x.q, x.k, x.v, self.out, self.lse, _fields(plan.branches[blk.branch].layout),
-                plan.scale, plan.is_causal, write and first,
+                plan.scale, plan.is_causal, write and first, *_real(x),
             )  # fmt: skip
 
     def _begin_local_chunk(self, c: int) -> None:
@@ -1157,7 +1169,7 @@ class _Backward(_Call):
             self.grads[j] = _unpadded(self.plan, _gather(self.plan, self.rotater, self.grads[j], step.index))
 
 
-def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None):
+def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None, real=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
     token and the seed): the plan's backward program run (Note [The site program] in
     ``program.py``)."""
@@ -1165,9 +1177,9 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         rotater = Rotater(plan.group_name, token)
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
-    run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout), out, lse, seed)
+    run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout, real), out, lse, seed)
     for step in plan.backward_program.steps:
         run.run(step)
     with role("p2p"):
         rotater.close(run.grads)
-    return (*run.grads, *(None for x in (mask, docs, token, seed) if x is not None))
+    return (*run.grads, *(None for x in (mask, docs, token, seed, real) if x is not None))

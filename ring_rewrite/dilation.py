@@ -178,6 +178,17 @@ class BranchLayout:
             y = x6[:, :, head, off]
         return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, last_dim(y, self.batch))
 
+    def real_rows(self, real: int) -> tuple[int, int]:
+        """Where the first ``real`` positions of the sequence end in the kernel layout: the
+        segments whose rows all hold one of them, and the rows of the next that do, for the
+        query head of the lowest lattice offset (another holds as many or one fewer). Row ``i``
+        of segment ``s`` is position ``s * seg + offset + r * i``: the real rows of each head are
+        a prefix of its dilated sequence."""
+        low = min(o for _, o in _pairs(self, False))
+        rows = max(0, -(-(real - low) // self.r))
+        whole, part = divmod(rows, self.m)
+        return (self.nseg, 0) if whole >= self.nseg else (whole, part)
+
     @property
     def in_place(self) -> bool:
         """Whether a block kernel can read this layout's rows where they lie and add their

@@ -17,12 +17,13 @@ block the row attends to), it returns this block's exact share of the gradient
 (Note [Backward from the merged statistics] in ``attention.py``); rows whose ``lse`` is
 ``+inf`` contribute nothing.
 
-``dilated_block_attention(out, lse, q, k, v, layout, scale, is_causal, write)`` is
+``dilated_block_attention(out, lse, q, k, v, layout, scale, is_causal, write[, real])`` is
 ``block_attention`` of a local branch's blocks, reading its rows where they lie in the site's
 tensors and merging (with ``write``: writing) its results into the site's ``out`` and ``lse``,
 and ``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale, is_causal,
-write)`` their backward, adding (with ``write``: writing) the gradients into the site's, in
-place (Note [Local branches in place] in ``attention.py``).
+write[, real])`` their backward, adding (with ``write``: writing) the gradients into the site's,
+in place (Note [Local branches in place] in ``attention.py``); with ``real``, a causal site's
+count of real positions in a sequence padded to a length bucket, only the blocks' real rows.
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
 ``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back,
@@ -316,30 +317,60 @@ def _in_place(layout: BranchLayout, *operands: torch.Tensor) -> bool:
     return ours and layout.in_place
 
 
-def _kernel_sizes(layout: BranchLayout, q: torch.Tensor, v: torch.Tensor) -> list[int]:
-    """``cpu_kernel``'s sizes of a local branch's blocks (``_sizes`` of its kernel layout)."""
-    m, d, dv = layout.m, q.shape[-1], v.shape[-1]
-    return [layout.batch * layout.nseg, layout.hq, layout.kv_heads, m, m, d, dv]
+def _kernel_sizes(layout: BranchLayout, q: torch.Tensor, v: torch.Tensor, segments: int, rows: int) -> list[int]:
+    """``cpu_kernel``'s sizes of ``segments`` of a local branch's blocks, of ``rows`` rows and
+    keys each (``_sizes`` of its kernel layout)."""
+    return [layout.batch * segments, layout.hq, layout.kv_heads, rows, rows, q.shape[-1], v.shape[-1]]
+
+
+def _real_calls(lay: BranchLayout, real: torch.Tensor | None, is_causal: bool) -> list[tuple[int, int, int]]:
+    """The kernel calls of a local branch in place, ``(first segment, segments, rows)``: every
+    segment whole, or with ``real`` (the count of real positions of a sequence padded to a
+    length bucket, a causal site's: Note [Padding to a bucket] in ``passes/bucket_lengths.py``)
+    the segments that hold real rows, the last cut to those rows (and keys: causal rows attend
+    no later key). A row past them is padding and is not computed."""
+    if real is None or not is_causal:
+        return [(0, lay.nseg, lay.m)]
+    whole, part = lay.real_rows(int(real))
+    return [c for c in ((0, whole, lay.m), (whole, 1, part)) if c[1] and c[2]]
+
+
+def _from_segment(x: torch.Tensor, lay: BranchLayout, first: int) -> torch.Tensor:
+    """``x (B, H, n[, C])`` from segment ``first`` on: the kernel reads its rows at ``x``'s
+    lattice strides from there."""
+    return x.narrow(2, first * lay.seg, x.shape[2] - first * lay.seg)
+
+
+def _past_real(lay: BranchLayout, calls) -> int:
+    """The first position no call computes, at rate 1 (where ``write`` is allowed)."""
+    return max((first + count - 1) * lay.seg + rows for first, count, rows in calls) if calls else 0
 
 
 @torch.library.custom_op("ring_rewrite::dilated_block_attention", mutates_args=("out", "lse"))
 def dilated_block_attention(
     out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: list[int],
-    scale: float, is_causal: bool, write: bool,
+    scale: float, is_causal: bool, write: bool, real: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """``block_attention`` of a local branch (``layout``, one block per segment, no bias) over the
     site's ``q, k, v (B, H, n, C)``, its rows' results merged into the site's ``out (B, Hq, n,
     Dv)`` and ``lse (B, Hq, n)`` in place: the softmax over the keys of both (``merge_partials``;
     a row of lse ``-inf`` holds none), or with ``write`` written, every position of the layout's
     heads, which then must be all of them (rate 1). ``flash_cpu.c`` reads and writes the rows
-    where they lie (``BranchLayout.lattice``); elsewhere they are gathered, attended and merged,
-    and written back."""
+    where they lie (``BranchLayout.lattice``), with ``real`` only the real ones (``_real_calls``;
+    written rows past them are 0 and ``-inf``); elsewhere they are gathered, attended and
+    merged, and written back."""
     lay = BranchLayout(*layout)
     if _in_place(lay, q, k, v, out, lse):
-        tensors = (q, k, v, out, lse)
-        layouts = [lay.lattice(x, kv=kv) for x, kv in zip(tensors, (False, True, True, False, False))]
-        sizes = _kernel_sizes(lay, q, v)
-        cpu_kernel.forward_in_place((out, lse), (q, k, v), layouts, sizes, lay.nseg, scale, is_causal, not write)
+        calls = _real_calls(lay, real, is_causal)
+        for first, count, rows in calls:
+            tensors = [_from_segment(x, lay, first) for x in (q, k, v, out, lse)]
+            layouts = [lay.lattice(x, kv=kv) for x, kv in zip(tensors, (False, True, True, False, False))]
+            sizes = _kernel_sizes(lay, q, v, count, rows)
+            cpu_kernel.forward_in_place(tensors[3:], tensors[:3], layouts, sizes, count, scale, is_causal, not write)
+        if write and real is not None:
+            end = _past_real(lay, calls)
+            out.narrow(2, end, out.shape[2] - end).zero_()
+            lse.narrow(2, end, lse.shape[2] - end).fill_(float("-inf"))
         return
 
     q_dilated, k_dilated, v_dilated = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
@@ -353,7 +384,7 @@ def dilated_block_attention(
 
 
 @dilated_block_attention.register_fake
-def _(out, lse, q, k, v, layout, scale, is_causal, write) -> None:
+def _(out, lse, q, k, v, layout, scale, is_causal, write, real=None) -> None:
     return None
 
 
@@ -361,23 +392,29 @@ def _(out, lse, q, k, v, layout, scale, is_causal, write) -> None:
 def dilated_block_backward(
     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layout: list[int], scale: float, is_causal: bool,
-    write: bool,
+    write: bool, real: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """The backward of a local branch (``layout``, one block per segment, no bias) over the
     site's ``q, k, v (B, H, n, C)``, ``dout``, merged ``out`` and ``lse (B, Hq, n)``: its
     ``dq, dk, dv`` added into the site's (with ``write``: written, every position of the
     layout's heads, which then must be all of them: rate 1), in place. ``flash_cpu.c`` reads and
-    writes the rows where they lie (``BranchLayout.lattice``); elsewhere the rows are gathered,
-    run through the block kernel and added back."""
+    writes the rows where they lie (``BranchLayout.lattice``), with ``real`` only the real ones
+    (``_real_calls``; written gradients past them are 0); elsewhere the rows are gathered, run
+    through the block kernel and added back."""
     lay = BranchLayout(*layout)
     operands = (dout, q, k, v, out, lse, dq, dk, dv)
     if _in_place(lay, *operands):
         kinds = (False, False, True, True, False, False, False, True, True)  # kv rows?
-        layouts = [lay.lattice(x, kv=kv) for x, kv in zip(operands, kinds)]
-        sizes = _kernel_sizes(lay, q, v)
-        cpu_kernel.backward_in_place(
-            (dq, dk, dv), (dout, q, k, v, out, lse), layouts, sizes, lay.nseg, scale, is_causal, not write
-        )
+        calls = _real_calls(lay, real, is_causal)
+        for first, count, rows in calls:
+            tensors = [_from_segment(x, lay, first) for x in operands]
+            layouts = [lay.lattice(x, kv=kv) for x, kv in zip(tensors, kinds)]
+            sizes = _kernel_sizes(lay, q, v, count, rows)
+            cpu_kernel.backward_in_place(tensors[6:], tensors[:6], layouts, sizes, count, scale, is_causal, not write)
+        if write and real is not None:
+            end = _past_real(lay, calls)
+            for grad in (dq, dk, dv):
+                grad.narrow(2, end, grad.shape[2] - end).zero_()
         return
     q_dilated, dout_dilated, out_dilated = (lay.gather(x) for x in (q, dout, out))
     k_dilated, v_dilated = (lay.gather(x, kv=True) for x in (k, v))

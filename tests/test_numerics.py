@@ -449,6 +449,44 @@ def test_dynamic_sequence_length_compiles_one_graph_per_bucket(config, is_causal
     assert counters["ring_rewrite"]["skipped"] == 0
 
 
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("config", [CONFIGS["exact"], ([8, 32], [1, 4])], ids=["exact", "dilated"])
+def test_bucketed_causal_site_computes_only_real_rows(config, compiler, monkeypatch):
+    """A causal site padded to its bucket (Note [Padding to a bucket] in
+    ``passes/bucket_lengths.py``): the local branches' kernel calls cover the real rows only,
+    forward and backward, one graph for the bucket, and the results are the reference's."""
+    from ring_rewrite import cpu_kernel
+
+    calls = []
+    for name in ("forward_in_place", "backward_in_place"):
+        real_fn = getattr(cpu_kernel, name)
+
+        def spy(results, inputs, layouts, sizes, nseg, *rest, _fn=real_fn, _name=name):
+            calls.append((_name, sizes[0], sizes[3]))  # (batch x segments, rows)
+            return _fn(results, inputs, layouts, sizes, nseg, *rest)
+
+        monkeypatch.setattr(cpu_kernel, name, spy)
+    fn = torch.compile(functools.partial(_sdpa, is_causal=True), backend="ring_dilated",
+                       options=_options(config, compiler), fullgraph=True, dynamic=True)  # fmt: skip
+    branches = [(64, 1)] if config is None else list(zip(*config))
+    for n in (33, 47, 64):  # one bucket: 64
+        calls.clear()
+        q, k, v = _inputs(2, 4, 4, n, 8, 8)
+        dout = torch.randn(2, 4, n, 8)
+        _assert_close(_forward_backward(fn, q, k, v, dout), _reference(config, q, k, v, dout, is_causal=True))
+        expected = []
+        for w, r in branches:  # head 0 (lattice offset 0) holds positions 0, r, 2r, ... of each segment
+            m = min(w, 64) // r
+            whole, part = divmod(-(-n // r), m)
+            expected += [(2 * whole, m)] * bool(whole) + [(2, part)] * bool(part)
+        for kind in ("forward_in_place", "backward_in_place"):
+            ran = [c[1:] for c in calls if c[0] == kind]
+            assert sorted(ran) == sorted(expected), (n, kind, calls)
+            if n < 64:
+                assert sum(b * rows for b, rows in ran) < sum(2 * (64 // min(w, 64)) * min(w, 64) // r for w, r in branches)
+    assert counters["ring_rewrite"]["bucketed"] == 1
+
+
 def test_dynamic_sequence_length_specialised_without_buckets():
     options = {**_options(([8, 16], [1, 2])), "disable_passes": ["length_buckets"]}
     fn = torch.compile(_sdpa, backend="ring_dilated", options=options, fullgraph=True)
