@@ -14,9 +14,9 @@ length is symbolic is padded, in the graph, to the bucket ``L``, the power of tw
 becomes::
 
     n = q.size(2)
-    qp, kp, vp = (_padded(x, L, n) for x in (q, k, v))     # (B, H, L, D), zeros after n
+    qp, kp, vp = (padded_rows(x, L, n) for x in (q, k, v))     # (B, H, L, D), zeros after n
     keep = _key_mask(q, L, n, m)                           # keys [0, n) (and m); none if causal without m
-    out = _unpadded(sdpa(qp, kp, vp, attn_mask=keep, is_causal=c), n)     # role "bucket"
+    out = unpadded_rows(sdpa(qp, kp, vp, attn_mask=keep, is_causal=c), n)     # role "bucket"
 
 so every length in ``(L/2, L]`` runs the graph compiled for the first of them. Only where the
 sequence is the site's to cut: replicated mode, or one rank (in sharded mode each rank's shard
@@ -42,13 +42,15 @@ a power of two would cost the next power's whole attention. So a causal site wit
 keeps its real length: the padded SDPA node carries the graph node of ``s0`` (meta ``REAL``),
 ``rewrite_sdpa`` gives the site the count as a 0-d tensor input (``real``) in one process, and
 the site's local branches run their kernel on the real rows only: per branch the segments that
-hold real positions, the last of them cut to its real rows (``ops._real_calls``; each head's
-real rows are a prefix of its dilated sequence, ``BranchLayout.real_rows``). Causal rows attend
-no later key, so cutting the rows cuts the keys. The graph is the bucket's; the count is read
-when the kernels run. Not yet: sites with a mask (their keys past ``s0`` are masked, and
-computed), ring branches and more than one rank, local branches that are gathered rather than
-read in place (16-bit inputs on CPU, layouts ``BranchLayout.in_place`` refuses): those compute
-the bucket.
+hold real positions, the last cut to each head's real rows (``ops._kernel_calls``; a head's real
+rows are a prefix of its dilated sequence, ``BranchLayout.real_rows``). Causal rows attend no
+later key, so cutting the rows cuts the keys. Where every branch is local and read in place
+(float32 on CPU), no row past ``s0`` is read or written at all, and the site takes the unpadded
+q, k, v and returns the unpadded out (``rewrite_sdpa._unpadded_inputs``): the bucket's graph
+then costs what a graph compiled for ``s0`` costs (``benchmarks/lengths.py``). Not yet: sites
+with a mask (their keys past ``s0`` are masked, and computed), ring branches and more than one
+rank, local branches that are gathered (16-bit inputs on CPU, layouts ``BranchLayout.in_place``
+refuses): those compute the bucket.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from .find_sdpa import SdpaSite, cross_attention_reason, find_sdpa_sites
 from .masks import MaskStructure, key_mask, key_values, mask_structure
 from .records import records, sharded
 
-__all__ = ["NAME", "REAL", "bucket_lengths", "bucket"]
+__all__ = ["NAME", "REAL", "bucket_lengths", "bucket", "padded_rows", "unpadded_rows"]
 
 NAME = "length_buckets"
 REAL = "ring_rewrite_real_length"
@@ -151,7 +153,7 @@ def _pad_site(
     with graph.inserting_before(node):
         length = call(torch.ops.aten.sym_size.int, site.query, 2)
         propagate_example_values([length])  # the structured mask reads it
-        q, k, v = (call(_padded, x, size, length) for x in (site.query, site.key, site.value))
+        q, k, v = (call(padded_rows, x, size, length) for x in (site.query, site.key, site.value))
         mask = site.attn_mask
         if structure is not None:
             mask = _emit_structured_mask(graph, structure, site.query, size, length, index, node.meta.get("stack_trace"))
@@ -163,7 +165,7 @@ def _pad_site(
         else:
             kwargs["attn_mask"] = mask
         padded = call(node.target, *args, **kwargs)
-        out = call(_unpadded, padded, length)
+        out = call(unpadded_rows, padded, length)
     propagate_example_values(new[1:])
     padded.meta = {**node.meta, "example_value": padded.meta["example_value"]}
     if site.attn_mask is None and site.is_causal:
@@ -178,7 +180,7 @@ def _pad_site(
 # compilers below would guard on that (one graph more for the length L itself).
 
 
-def _padded(x: torch.Tensor, size: int, length) -> torch.Tensor:
+def padded_rows(x: torch.Tensor, size: int, length) -> torch.Tensor:
     """``x (B, H, length, C)`` with zeros after its tokens: ``(B, H, size, C)``."""
     positions = torch.arange(size, device=x.device)
     rows = x.index_select(2, positions.clamp_max(length - 1))
@@ -196,7 +198,7 @@ def _key_mask(q: torch.Tensor, size: int, length, mask: torch.Tensor | None) -> 
     return torch.where(keep, keys, False if mask.dtype == torch.bool else float("-inf"))
 
 
-def _unpadded(x: torch.Tensor, length) -> torch.Tensor:
+def unpadded_rows(x: torch.Tensor, length) -> torch.Tensor:
     """The first ``length`` tokens of ``x`` (dim 2)."""
     return x.index_select(2, torch.arange(length, device=x.device))
 

@@ -69,7 +69,7 @@ from ring_rewrite.p2p import (
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
-from .bucket_lengths import REAL
+from .bucket_lengths import REAL, padded_rows, unpadded_rows
 from .find_sdpa import (
     SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
     is_caller_input, is_decode_step, local_positions, sdpa_unsupported_reason, sharded_cache_keys, static_strides,
@@ -461,6 +461,25 @@ def _key_bias(
     return masked_fills(mask.to(plan.dtype), plan.dtype)
 
 
+def _unpadded_inputs(plan: SitePlan, site: SdpaSite) -> list[fx.Node] | None:
+    """The unpadded q, k, v of a site the ``length_buckets`` pass padded, where the site can
+    take them: one process, every branch local and read in place, so that the kernels read
+    and write only the real rows where they lie (Note [Padding to a bucket] in
+    ``bucket_lengths.py``); None elsewhere."""
+    if plan.world != 1 or not plan.local_in_place or not all(b.is_local for b in plan.branches):
+        return None
+    nodes = (site.query, site.key, site.value)
+    if not all(isinstance(x, fx.Node) and x.target is padded_rows and len(x.users) == 1 for x in nodes):
+        return None
+    (out,) = site.node.users if len(site.node.users) == 1 else (None,)
+    if out is None or out.target is not unpadded_rows:
+        return None
+    originals = [x.args[0] for x in nodes]
+    if not all(site.meta(x).stride(-1) == 1 for x in originals):
+        return None
+    return originals
+
+
 def _rewrite_site(
     gm: fx.GraphModule, site: SdpaSite, structure: MaskStructure | None, plan: SitePlan,
     index: int, bodies: dict, config: RingDilatedConfig,
@@ -525,12 +544,17 @@ def _rewrite_site(
             args.append(seed)
             names.append("seed")
         real = node.meta.get(REAL)
+        unpadded = None
         if real is not None and plan.world == 1:
-            # A causal sequence padded to its length bucket: the blocks skip the padding.
+            # A causal sequence padded to its length bucket: the blocks skip the padding, and
+            # where they read every row in place, the site takes the unpadded tensors.
             count = graph.call_function(torch.ops.aten.scalar_tensor.default, (real,), {"dtype": torch.int64})
             stamp(count, index, stack, role="bucket")
             args.append(count)
             names.append("real")
+            unpadded = _unpadded_inputs(plan, site)
+            if unpadded is not None:
+                args[:3] = unpadded
         saved = ["q", "k", "v", "out", "lse", *names[3:]]
         inputs = [site.query, site.key, site.value, site.attn_mask if structure is None else None]
         strides = tuple(static_strides(site.meta(x)) for x in inputs)
@@ -549,6 +573,13 @@ def _rewrite_site(
     call.meta["example_value"] = node.meta.get("example_value")
     node.replace_all_uses_with(call)
     graph.erase_node(node)
+    if unpadded is not None:  # the site's output is the unpadded one
+        (cut,) = call.users
+        call.meta["example_value"] = cut.meta.get("example_value")
+        cut.replace_all_uses_with(call)
+        graph.erase_node(cut)
+        for padded in (site.query, site.key, site.value):
+            erase_unused(graph, padded)
     if structure is not None:
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
 

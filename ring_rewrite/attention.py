@@ -772,7 +772,8 @@ class _Forward(_Call):
         first = not self.outs
         write = next(b for b in plan.branches if b.is_local).layout.r == 1  # writes every position
         if first:
-            shape = (plan.batch, plan.hq, plan.n_local)
+            # A bucketed site may take its real rows only (Note [Padding to a bucket]).
+            shape = (plan.batch, plan.hq, plan.n_local if x.real is None else x.q.shape[2])
             with role("merge"):
                 if write:
                     out, lse = x.q.new_empty((*shape, plan.dv)), x.q.new_empty(shape, dtype=plan.stat_dtype)

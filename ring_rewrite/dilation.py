@@ -178,16 +178,21 @@ class BranchLayout:
             y = x6[:, :, head, off]
         return y.reshape(self.batch * self.nseg, self.kv_heads, self.m, last_dim(y, self.batch))
 
-    def real_rows(self, real: int) -> tuple[int, int]:
+    def real_rows(self, real: int) -> tuple[int, dict[int, int]]:
         """Where the first ``real`` positions of the sequence end in the kernel layout: the
-        segments whose rows all hold one of them, and the rows of the next that do, for the
-        query head of the lowest lattice offset (another holds as many or one fewer). Row ``i``
-        of segment ``s`` is position ``s * seg + offset + r * i``: the real rows of each head are
-        a prefix of its dilated sequence."""
-        low = min(o for _, o in _pairs(self, False))
-        rows = max(0, -(-(real - low) // self.r))
-        whole, part = divmod(rows, self.m)
-        return (self.nseg, 0) if whole >= self.nseg else (whole, part)
+        segments whose rows all hold one of them, and per lattice offset the rows of the next
+        segment that do (its heads hold positions ``start + offset + r * i``: a prefix of their
+        rows, one more or one fewer than another offset's). No later segment holds any."""
+        counts = {o: max(0, -(-(real - o) // self.r)) for o in sorted({o for _, o in _pairs(self, False)})}
+        whole = min(self.nseg, min(counts.values()) // self.m)
+        if whole == self.nseg:
+            return whole, {}
+        return whole, {o: min(self.m, c - whole * self.m) for o, c in counts.items()}
+
+    def kernel_heads(self, offsets, *, kv: bool) -> list[int]:
+        """The kernel heads (kv heads with ``kv``) at the lattice ``offsets``, in kernel order: a
+        query head reads the same kv head among them as among all."""
+        return [a for a, (_, o) in enumerate(_pairs(self, kv)) if o in offsets]
 
     @property
     def in_place(self) -> bool:

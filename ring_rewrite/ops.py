@@ -44,6 +44,7 @@ scores at a time (Note [Bands] in ``attention.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -317,33 +318,56 @@ def _in_place(layout: BranchLayout, *operands: torch.Tensor) -> bool:
     return ours and layout.in_place
 
 
-def _kernel_sizes(layout: BranchLayout, q: torch.Tensor, v: torch.Tensor, segments: int, rows: int) -> list[int]:
-    """``cpu_kernel``'s sizes of ``segments`` of a local branch's blocks, of ``rows`` rows and
-    keys each (``_sizes`` of its kernel layout)."""
-    return [layout.batch * segments, layout.hq, layout.kv_heads, rows, rows, q.shape[-1], v.shape[-1]]
+@dataclasses.dataclass(frozen=True)
+class _KernelCall:
+    """One kernel call of a local branch in place: ``segments`` from segment ``first`` on, their
+    first ``rows`` rows (and keys), the kernel heads at lattice ``offsets`` (None: all)."""
+
+    first: int
+    segments: int
+    rows: int
+    offsets: tuple[int, ...] | None = None
+
+    def layouts(self, lay: BranchLayout, tensors, kinds) -> tuple[list, list[list[int]]]:
+        """The call's views of ``tensors`` (from its first segment) and their lattices (of its
+        heads), ``kinds`` saying which hold kv rows."""
+        views = [x.narrow(2, self.first * lay.seg, x.shape[2] - self.first * lay.seg) for x in tensors]
+        lattices = []
+        for x, kv in zip(views, kinds):
+            lattice = lay.lattice(x, kv=kv)
+            if self.offsets is not None:
+                lattice = lattice[:3] + [lattice[3 + a] for a in lay.kernel_heads(self.offsets, kv=kv)]
+            lattices.append(lattice)
+        return views, lattices
+
+    def sizes(self, lay: BranchLayout, q: torch.Tensor, v: torch.Tensor) -> list[int]:
+        """``cpu_kernel``'s sizes of the call (``_sizes`` of its kernel layout)."""
+        hq, hkv = lay.hq, lay.kv_heads
+        if self.offsets is not None:
+            hq, hkv = (len(lay.kernel_heads(self.offsets, kv=kv)) for kv in (False, True))
+        return [lay.batch * self.segments, hq, hkv, self.rows, self.rows, q.shape[-1], v.shape[-1]]
 
 
-def _real_calls(lay: BranchLayout, real: torch.Tensor | None, is_causal: bool) -> list[tuple[int, int, int]]:
-    """The kernel calls of a local branch in place, ``(first segment, segments, rows)``: every
-    segment whole, or with ``real`` (the count of real positions of a sequence padded to a
-    length bucket, a causal site's: Note [Padding to a bucket] in ``passes/bucket_lengths.py``)
-    the segments that hold real rows, the last cut to those rows (and keys: causal rows attend
-    no later key). A row past them is padding and is not computed."""
+def _kernel_calls(lay: BranchLayout, real: torch.Tensor | None, is_causal: bool) -> list[_KernelCall]:
+    """The kernel calls of a local branch in place: every segment whole, or with ``real`` (the
+    count of real positions of a causal sequence padded to a length bucket: Note [Padding to a
+    bucket] in ``passes/bucket_lengths.py``) the segments that hold real rows, the last cut to
+    each head's real rows (and keys: causal rows attend no later key), heads of the same count
+    in one call. A row past them is padding and is neither read nor written."""
     if real is None or not is_causal:
-        return [(0, lay.nseg, lay.m)]
-    whole, part = lay.real_rows(int(real))
-    return [c for c in ((0, whole, lay.m), (whole, 1, part)) if c[1] and c[2]]
+        return [_KernelCall(0, lay.nseg, lay.m)]
+    whole, parts = lay.real_rows(int(real))
+    calls = [_KernelCall(0, whole, lay.m)] if whole else []
+    for rows in sorted(set(parts.values())):
+        if rows:
+            offsets = tuple(o for o, r in parts.items() if r == rows)
+            calls.append(_KernelCall(whole, 1, rows, None if len(offsets) == len(parts) else offsets))
+    return calls
 
 
-def _from_segment(x: torch.Tensor, lay: BranchLayout, first: int) -> torch.Tensor:
-    """``x (B, H, n[, C])`` from segment ``first`` on: the kernel reads its rows at ``x``'s
-    lattice strides from there."""
-    return x.narrow(2, first * lay.seg, x.shape[2] - first * lay.seg)
-
-
-def _past_real(lay: BranchLayout, calls) -> int:
+def _past_real(lay: BranchLayout, calls: list[_KernelCall]) -> int:
     """The first position no call computes, at rate 1 (where ``write`` is allowed)."""
-    return max((first + count - 1) * lay.seg + rows for first, count, rows in calls) if calls else 0
+    return max(((c.first + c.segments - 1) * lay.seg + c.rows for c in calls), default=0)
 
 
 @torch.library.custom_op("ring_rewrite::dilated_block_attention", mutates_args=("out", "lse"))
@@ -356,17 +380,16 @@ def dilated_block_attention(
     Dv)`` and ``lse (B, Hq, n)`` in place: the softmax over the keys of both (``merge_partials``;
     a row of lse ``-inf`` holds none), or with ``write`` written, every position of the layout's
     heads, which then must be all of them (rate 1). ``flash_cpu.c`` reads and writes the rows
-    where they lie (``BranchLayout.lattice``), with ``real`` only the real ones (``_real_calls``;
+    where they lie (``BranchLayout.lattice``), with ``real`` only the real ones (``_kernel_calls``;
     written rows past them are 0 and ``-inf``); elsewhere they are gathered, attended and
     merged, and written back."""
     lay = BranchLayout(*layout)
     if _in_place(lay, q, k, v, out, lse):
-        calls = _real_calls(lay, real, is_causal)
-        for first, count, rows in calls:
-            tensors = [_from_segment(x, lay, first) for x in (q, k, v, out, lse)]
-            layouts = [lay.lattice(x, kv=kv) for x, kv in zip(tensors, (False, True, True, False, False))]
-            sizes = _kernel_sizes(lay, q, v, count, rows)
-            cpu_kernel.forward_in_place(tensors[3:], tensors[:3], layouts, sizes, count, scale, is_causal, not write)
+        calls = _kernel_calls(lay, real, is_causal)
+        for call in calls:
+            views, layouts = call.layouts(lay, (q, k, v, out, lse), (False, True, True, False, False))
+            sizes = call.sizes(lay, q, v)
+            cpu_kernel.forward_in_place(views[3:], views[:3], layouts, sizes, call.segments, scale, is_causal, not write)
         if write and real is not None:
             end = _past_real(lay, calls)
             out.narrow(2, end, out.shape[2] - end).zero_()
@@ -399,18 +422,17 @@ def dilated_block_backward(
     ``dq, dk, dv`` added into the site's (with ``write``: written, every position of the
     layout's heads, which then must be all of them: rate 1), in place. ``flash_cpu.c`` reads and
     writes the rows where they lie (``BranchLayout.lattice``), with ``real`` only the real ones
-    (``_real_calls``; written gradients past them are 0); elsewhere the rows are gathered, run
+    (``_kernel_calls``; written gradients past them are 0); elsewhere the rows are gathered, run
     through the block kernel and added back."""
     lay = BranchLayout(*layout)
     operands = (dout, q, k, v, out, lse, dq, dk, dv)
     if _in_place(lay, *operands):
         kinds = (False, False, True, True, False, False, False, True, True)  # kv rows?
-        calls = _real_calls(lay, real, is_causal)
-        for first, count, rows in calls:
-            tensors = [_from_segment(x, lay, first) for x in operands]
-            layouts = [lay.lattice(x, kv=kv) for x, kv in zip(tensors, kinds)]
-            sizes = _kernel_sizes(lay, q, v, count, rows)
-            cpu_kernel.backward_in_place(tensors[6:], tensors[:6], layouts, sizes, count, scale, is_causal, not write)
+        calls = _kernel_calls(lay, real, is_causal)
+        for call in calls:
+            views, layouts = call.layouts(lay, operands, kinds)
+            sizes = call.sizes(lay, q, v)
+            cpu_kernel.backward_in_place(views[6:], views[:6], layouts, sizes, call.segments, scale, is_causal, not write)
         if write and real is not None:
             end = _past_real(lay, calls)
             for grad in (dq, dk, dv):

@@ -453,8 +453,8 @@ def test_dynamic_sequence_length_compiles_one_graph_per_bucket(config, is_causal
 @pytest.mark.parametrize("config", [CONFIGS["exact"], ([8, 32], [1, 4])], ids=["exact", "dilated"])
 def test_bucketed_causal_site_computes_only_real_rows(config, compiler, monkeypatch):
     """A causal site padded to its bucket (Note [Padding to a bucket] in
-    ``passes/bucket_lengths.py``): the local branches' kernel calls cover the real rows only,
-    forward and backward, one graph for the bucket, and the results are the reference's."""
+    ``passes/bucket_lengths.py``): the local branches' kernel calls cover each head's real rows
+    only, forward and backward, one graph for the bucket, and the results are the reference's."""
     from ring_rewrite import cpu_kernel
 
     calls = []
@@ -462,28 +462,34 @@ def test_bucketed_causal_site_computes_only_real_rows(config, compiler, monkeypa
         real_fn = getattr(cpu_kernel, name)
 
         def spy(results, inputs, layouts, sizes, nseg, *rest, _fn=real_fn, _name=name):
-            calls.append((_name, sizes[0], sizes[3]))  # (batch x segments, rows)
+            calls.append((_name, sizes[0], sizes[1], sizes[3]))  # batch x segments, heads, rows
             return _fn(results, inputs, layouts, sizes, nseg, *rest)
 
         monkeypatch.setattr(cpu_kernel, name, spy)
     fn = torch.compile(functools.partial(_sdpa, is_causal=True), backend="ring_dilated",
                        options=_options(config, compiler), fullgraph=True, dynamic=True)  # fmt: skip
     branches = [(64, 1)] if config is None else list(zip(*config))
-    for n in (33, 47, 64):  # one bucket: 64
+    batch, heads, bucket = 2, 4, 64
+    for n in (33, 47, 64):
         calls.clear()
-        q, k, v = _inputs(2, 4, 4, n, 8, 8)
-        dout = torch.randn(2, 4, n, 8)
+        q, k, v = _inputs(batch, heads, heads, n, 8, 8)
+        dout = torch.randn(batch, heads, n, 8)
         _assert_close(_forward_backward(fn, q, k, v, dout), _reference(config, q, k, v, dout, is_causal=True))
         expected = []
-        for w, r in branches:  # head 0 (lattice offset 0) holds positions 0, r, 2r, ... of each segment
-            m = min(w, 64) // r
-            whole, part = divmod(-(-n // r), m)
-            expected += [(2 * whole, m)] * bool(whole) + [(2, part)] * bool(part)
+        for w, r in branches:  # head j holds positions s * w + j % r + r * i of segment s
+            seg = min(w, bucket)
+            real = [[sum(s * seg + j % r + r * i < n for i in range(seg // r)) for j in range(heads)]
+                    for s in range(bucket // seg)]  # fmt: skip
+            whole = [s for s, rows in enumerate(real) if min(rows) == seg // r]
+            expected += [(batch * len(whole), heads, seg // r)] * bool(whole)
+            rest = real[len(whole)] if len(whole) < len(real) else []
+            for rows in sorted(set(rest) - {0}):
+                expected.append((batch, rest.count(rows), rows))
         for kind in ("forward_in_place", "backward_in_place"):
             ran = [c[1:] for c in calls if c[0] == kind]
             assert sorted(ran) == sorted(expected), (n, kind, calls)
-            if n < 64:
-                assert sum(b * rows for b, rows in ran) < sum(2 * (64 // min(w, 64)) * min(w, 64) // r for w, r in branches)
+            if n < bucket:
+                assert sum(b * h * rows for b, h, rows in ran) < sum(batch * heads * bucket // r for _, r in branches)
     assert counters["ring_rewrite"]["bucketed"] == 1
 
 
