@@ -128,7 +128,8 @@ def rewrite_sdpa(
             )  # fmt: skip
             continue
         passes = (*node.meta.get(TOUCHED, ()), NAME)
-        _rewrite_site(gm, site, structure, plan, index, bodies, config)
+        bucket = _rewrite_site(gm, site, structure, plan, index, bodies, config)
+        note = "; ".join(x for x in (note, bucket) if x) or None
         counters["ring_rewrite"]["rewritten"] += 1
         sites.append(
             SiteRecord(index, site.location, "sdpa", site.shapes, reason=note, plan=plan, passes=passes)
@@ -483,7 +484,9 @@ def _unpadded_inputs(plan: SitePlan, site: SdpaSite) -> list[fx.Node] | None:
 def _rewrite_site(
     gm: fx.GraphModule, site: SdpaSite, structure: MaskStructure | None, plan: SitePlan,
     index: int, bodies: dict, config: RingDilatedConfig,
-) -> None:  # fmt: skip
+) -> str | None:  # fmt: skip
+    """Replace ``site`` by its call; returns a note for the report where the site is a bucket's
+    that computes only its real rows (Note [Padding to a bucket] in ``bucket_lengths.py``)."""
     graph, node = gm.graph, site.node
     stack = node.meta.get("stack_trace")
     args = [site.query, site.key, site.value]
@@ -582,6 +585,10 @@ def _rewrite_site(
             erase_unused(graph, padded)
     if structure is not None:
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
+    if real is None or plan.world != 1:
+        return None
+    rows = "reads and writes the real rows only" if unpadded is not None else "its in-place branches compute the real rows"
+    return f"a bucket of {plan.n}: {rows}"
 
 
 @dataclasses.dataclass(frozen=True)
