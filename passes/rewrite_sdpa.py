@@ -59,7 +59,6 @@ from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite.attention import SitePlan, site_backward, site_forward
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.decode import decode_attention, sharded_decode
 from ring_rewrite.layout import assemble
 from ring_rewrite.numerics import masked_fills
 from ring_rewrite.layout import positions as shard_positions
@@ -71,13 +70,12 @@ from ring_rewrite.roles import role
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
 from .bucket_lengths import REAL, padded_rows, unpadded_rows
 from .find_sdpa import (
-    SdpaSite, bind_sdpa, decode_reason, dense_mask, dilated_decode_reason, display_shapes, find_sdpa_sites,
-    is_caller_input, is_decode_step, local_positions, sdpa_unsupported_reason, sharded_cache_keys, static_strides,
+    SdpaSite, bind_sdpa, dense_mask, display_shapes, find_sdpa_sites, is_caller_input, is_decode_step,
+    local_positions, sdpa_unsupported_reason, sharded_cache_keys, static_strides,
 )  # fmt: skip
-from .masks import (
-    MaskStructure, decode_positions, key_mask, key_values, runs, sharded_documents_reason, sharded_keys_reason,
-)
-from .records import TOUCHED, SiteRecord, UnsupportedSiteError, leave_alone, records, sharded
+from .masks import MaskStructure, key_mask, key_values, runs, sharded_documents_reason, sharded_keys_reason
+from .records import TOUCHED, SiteRecord, leave_alone, records
+from .rewrite_decode import rewrite_decode_step
 
 __all__ = ["NAME", "rewrite_sdpa"]
 
@@ -107,7 +105,7 @@ def rewrite_sdpa(
         cached = sharded_cache_keys(site)
         if cached is not None or is_decode_step(site):
             shapes, passes = display_shapes(site), (*node.meta.get(TOUCHED, ()), NAME)
-            note = _decode_step(gm, site, cached, index, config, group, world)
+            note = rewrite_decode_step(gm, site, cached, index, config, group, world)
             if note is not None:
                 counters["ring_rewrite"]["rewritten"] += 1
                 sites.append(SiteRecord(index, site.location, "sdpa", shapes, note, passes=passes, decode=True))
@@ -164,125 +162,6 @@ def _qualified_name(target) -> str:
         return fx.node._get_qualified_name(target)
     except Exception:  # noqa: BLE001  (a callable without a module path: its name will do)
         return getattr(target, "__qualname__", type(target).__qualname__)
-
-
-def _decode_step(gm, site: SdpaSite, cached: fx.Node | None, index: int, config, group, world) -> str | None:
-    """Rewrite a decode step, over a sharded cache (``cached``, its ``sharded_keys`` marker) or
-    a whole one; returns its record's note, or None where it is left alone."""
-    m = site.meta(site.query).shape[2]
-    if cached is not None:
-        _rewrite_sharded_decode(gm, site, cached, index, config, group, world)
-        return f"decode step over a sharded cache: the last {m} rows, merged across ranks"
-    reason = decode_reason(site)
-    if reason is None and not config.is_exact:
-        reason = dilated_decode_reason(site)
-    if reason is None and sharded(config):
-        reason = (
-            "a decode step over a whole KV cache in sharded mode (ring_rewrite.prefill makes a "
-            "cache that stays sharded; a whole one runs in replicated mode or on one rank)"
-        )
-    if reason is not None:
-        leave_alone(
-            gm, config, what="SDPA", fate="be rewritten", location=site.location,
-            kind="sdpa", shapes=display_shapes(site), reason=reason,
-        )  # fmt: skip
-        return None
-    _rewrite_decode(gm, site, index, config)
-    return f"decode step: the last {m} rows, on every rank"
-
-
-def _rewrite_decode(gm: fx.GraphModule, site: SdpaSite, index: int, config: RingDilatedConfig) -> None:
-    """A decode step becomes its rows of the site's function (``ring_rewrite/decode.py``), in
-    plain torch ops on every rank (role "decode"); the key length stays as dynamo has it."""
-    node = site.node
-    d = site.meta(site.query).shape[-1]
-    decode = functools.partial(
-        _decode,
-        branches=config.branches(_WHOLE),
-        scale=d**-0.5 if site.scale is None else float(site.scale),
-    )
-    inputs = [site.query, site.key, site.value]
-    if site.attn_mask is not None:
-        inputs.append(site.attn_mask)
-        decode.keywords["bool_mask"] = site.meta(site.attn_mask).dtype == torch.bool
-        positions = None if config.is_exact else decode_positions(site.attn_mask)
-        if positions is not None:  # where the mask places them (a sliding-window cache)
-            decode.keywords["positions"] = positions
-            inputs += positions.data
-    _replace_step(gm, node, index, decode, inputs)
-
-
-def _replace_step(gm: fx.GraphModule, node: fx.Node, index: int, decode, inputs: list) -> None:
-    """``node`` (a decode step's SDPA) replaced by ``decode(*inputs)`` traced in its place."""
-    graph = gm.graph
-    with graph.inserting_before(node):
-        tracer = RoleTracer(graph, index, node.meta.get("stack_trace"))
-        with role("decode"):
-            out = emit(tracer, decode, *inputs)
-    stamp(out, index, node.meta.get("stack_trace"), role="site", decode=True)
-    out.meta["example_value"] = node.meta.get("example_value")
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
-
-
-_WHOLE = 1 << 62  # the exact config's one segment: longer than any prefix
-
-
-def _decode(q, k, v, mask=None, *data, branches, scale, bool_mask=False, positions=None):
-    bias = torch.where(mask, 0.0, float("-inf")) if bool_mask else mask
-    query_positions = key_positions = None
-    if positions is not None:
-        first_query, first_key = positions.evaluate(*data)
-        query_positions = torch.arange(q.shape[2], device=q.device) + first_query
-        key_positions = torch.arange(k.shape[2], device=q.device) + first_key
-    return decode_attention(
-        q, k, v, bias, branches=branches, scale=scale, is_causal=False, query_positions=query_positions,
-        key_positions=key_positions,
-    )  # fmt: skip
-
-
-def _rewrite_sharded_decode(gm, site: SdpaSite, cached: fx.Node, index: int, config, group, world) -> None:
-    """A decode step whose keys are this rank's part of a sharded cache becomes its rows over
-    those keys at their positions, merged across the ranks by one all-gather (Note [A sharded KV
-    cache] in ring_rewrite/decode.py); the ``sharded_keys`` marker is dropped. Raises where the
-    step cannot be rewritten: left alone it would attend to one rank's keys."""
-    layout, ranks = cached.args[3:5]
-    reason = decode_reason(site)
-    if reason is None and config.sharding != "sharded":
-        reason = f"sharding={config.sharding!r} (a sharded cache needs sharding='sharded')"
-    if reason is None and (layout, ranks) != (config.layout, world):
-        reason = (
-            f"the cache was prefilled with layout={layout!r} over {ranks} ranks, the backend runs "
-            f"layout={config.layout!r} over {world}"
-        )
-    if reason is None and any(site.meta(n).requires_grad for n in (site.query, site.key, site.value)):
-        reason = "it would need gradients (a sharded decode step is inference: run it under torch.no_grad)"
-    if reason is None and site.attn_mask is not None:
-        reason = (
-            "an attn_mask (padding or a sliding window: a mask indexes the keys as one sequence, "
-            "not a rank's part of them; prompts of one length without padding, full attention; "
-            "without an attention_mask, generate infers padding from pad_token_id among the ids: "
-            "pass attention_mask=torch.ones_like(input_ids))"
-        )
-    if reason is not None:
-        raise UnsupportedSiteError(
-            f"ring_rewrite: a decode step over a sharded KV cache at {site.location} cannot be rewritten: {reason}"
-        )
-    graph, node = gm.graph, site.node
-    keys, key_positions, query_positions = cached.args[:3]
-    cached.replace_all_uses_with(keys)
-    graph.erase_node(cached)
-    site = bind_sdpa(node)  # its key was the marker
-    d = site.meta(site.query).shape[-1]
-    decode = functools.partial(
-        sharded_decode,
-        branches=config.branches(_WHOLE),
-        scale=d**-0.5 if site.scale is None else float(site.scale),
-        world=world,
-        group_name=group.group_name if world > 1 else "",
-    )
-    inputs = [site.query, site.key, site.value, key_positions, query_positions]
-    _replace_step(gm, node, index, decode, inputs)
 
 
 def _agreement_key(record: SiteRecord) -> dict:

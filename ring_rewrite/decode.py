@@ -102,7 +102,7 @@ def decode_attention(
 #
 # The positions reach the graph through ``sharded_keys(keys, key_positions, query_positions, ...)``,
 # which the cache wraps around the keys it returns: the rewrite reads the positions from its
-# arguments and drops it (``passes/rewrite_sdpa.py``). Anywhere else it raises: one rank's keys
+# arguments and drops it (``passes/rewrite_decode.py``). Anywhere else it raises: one rank's keys
 # attended as if they were all of them would be a silently wrong answer.
 
 

@@ -32,7 +32,6 @@ import collections
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import sys
@@ -49,7 +48,6 @@ import torch.utils.checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks.py, conftest.py: run as a script too
 
 import ring_rewrite  # noqa: E402
-from conftest import rel_err  # noqa: E402
 from ring_rewrite.reference import connection_counts  # noqa: E402
 
 __all__ = ["Case", "Result", "case", "run", "run_cases"]
