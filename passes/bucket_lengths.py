@@ -7,7 +7,7 @@ into segments, lattices and shards), so without this pass it specialises, guardi
 ``s0 == n``: one graph per length, and dynamo's recompile limit after eight. Here a site whose
 length is symbolic is padded, in the graph, to the bucket ``L``, the power of two with
 ``L / 2 < s0 <= L`` (guarded), and the padding masked (Note [Padding the sequence] in
-``ring_rewrite/attention.py``: the same function, exactly)::
+``rewrite_sdpa.py``: the same function, exactly)::
 
     out = sdpa(q, k, v, attn_mask=m, is_causal=c)                 # q, k, v (B, H, s0, D)
 

@@ -24,12 +24,23 @@ What a site computes must not depend on P (docs/semantics.md, Sites left alone).
 needs every branch to fit the ranks' shards: a rate that divides each rank's part, a segment
 that divides a part or is a multiple of it. In sharded mode the shards are given, so a branch
 that does not fit is an error. In replicated mode the site first pads the sequence (up to
-``_MAX_PADDING`` times its length, Note [Padding the sequence] in ``ring_rewrite/attention.py``);
+``_MAX_PADDING`` times its length, Note [Padding the sequence]);
 where no padding helps (segments of 100 with a rate of 1024, say), every rank holds the whole
 sequence anyway, so each computes the whole site as one rank would: the same function, with a
 warning at every compile and a note in the report, at P times the compute and O(N) memory per
 rank. No transfer, no gather: the ranks' results agree because their inputs do (with dropout,
 each rank draws its own mask).
+
+Note [Padding the sequence]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+In replicated mode the site chooses how to cut the sequence, so a length the ranks cannot
+share (``N`` not a multiple of ``P``, shards that are no multiple of a rate, segments that
+neither divide a shard nor are a multiple of it) is padded to the shortest ``N' > N`` that
+they can (``_plan``). Padding goes after the sequence, so
+every real position, and with it every segment and lattice, stays where it was;
+padded keys get a ``-inf`` bias (none is needed with ``is_causal``: they come after every real
+query), padded queries' rows are dropped from the output, and the gradients of the padding
+are dropped in the backward. The same function, exactly, at the cost of ``N' - N`` more tokens.
 
 Note [One body per plan]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -268,7 +279,7 @@ def _biased(site: SdpaSite, structure: MaskStructure | None) -> bool:
 
 
 def _band(structure: MaskStructure | None) -> tuple[int | None, int | None] | None:
-    """The plan's band (Note [Bands] in ring_rewrite/attention.py): what the mask allows of
+    """The plan's band (Note [Bands] in ring_rewrite/program.py): what the mask allows of
     ``t - p`` beyond causal attention, None for nothing."""
     if structure is None:
         return None

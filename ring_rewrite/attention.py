@@ -96,36 +96,8 @@ runs of a rank's parts (both zigzag chunks, or one), so it holds its tensors as 
 nseg*m, D)``, per head the parts one after another: every block's rows are then a slice, a view,
 and its out, lse and gradients split back into parts by views. With ``r = 1`` that layout is
 the rank's sequence itself (no copy). Otherwise the dilation gathers each tensor once per
-branch into a buffer of its own (``ops.dilate``, Note [Gathers as calls]), which every block,
-head chunk and ring step reads by views: 1/r of the input it comes from.
-
-Note [Gathers as calls]
-~~~~~~~~~~~~~~~~~~~~~~~
-Where a branch's rows do not stay in place (``r > 1``, or padding), the gather is one call of
-``ops.dilate``: per kernel head, one strided copy of that head's lattice rows, whose head and
-offset are Python ints of the call. Written as indexing, each gather would be a C++ kernel of
-inductor's with the branch's sizes, heads and lattice offsets baked in (per ring branch one for
-q, k, v in the forward and two in the backward, one more per head chunk of the local branches'
-backward), each about 0.6 s of compile (``benchmarks/compile_cost.py --site`` counts a site's
-kernels). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
-input), so nothing is lost at run time; the graph still shows one node per gather, role
-``dilate``. The way back is a call too in the backward (Note [Gradient sums as calls]); the
-forward's undilation stays a torch op, fused with the merge it feeds.
-
-Note [Gradient sums as calls]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A branch's dq, dk, dv go back to the site's rows by ``ops.undilate_add``: per kernel head one
-strided add into a running total, in place, the adjoint of the gather. The first branch to reach
-a total allocates it in ``stat_dtype`` and zeroes it (or writes it, at rate 1 without padding,
-where every position gets one row); later ones add. A ring's dq waits, dilated (``1 / r`` of
-q), and is added to the local branches' sums of each head chunk.
-As torch ops (an undilation with zeros off the lattice, an ``index_add`` for kv heads not
-shared), inductor would fuse the sum of every branch into kernels per head chunk of the local
-branches, with the chunk's lattice offsets baked in, and hold every branch's gradients until
-they ran (Note [Memory of a site] in ``report.py``). As calls the backward compiles no kernel
-per chunk, and a branch's gradients are freed once added. The forward's merge
-stays pointwise (docs/semantics.md, The rewritten graph): it weighs each branch's out by every
-branch's lse.
+branch into a buffer of its own (``ops.dilate``, Note [Gathers as calls] in ``ops.py``), which
+every block, head chunk and ring step reads by views: 1/r of the input it comes from.
 
 Note [Gradient sums of a ring step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -146,30 +118,6 @@ few rows per step to hide a transfer behind, but the site's local branches have 
 forward starts every ring's first transfer before any branch computes, and the backward runs
 its rings first and waits for their last dK/dV hop (the one with nothing after it in its ring)
 after the local branches computed. The order of the transfers is the same on every rank.
-
-Note [Padding the sequence]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
-In replicated mode the site chooses how to cut the sequence, so a length the ranks cannot
-share (``N`` not a multiple of ``P``, shards that are no multiple of a rate, segments that
-neither divide a shard nor are a multiple of it) is padded to the shortest ``N' > N`` that
-they can (``passes/rewrite_sdpa.py``, ``_plan``). Padding goes after the sequence, so
-every real position, and with it every segment and lattice, stays where it was;
-padded keys get a ``-inf`` bias (none is needed with ``is_causal``: they come after every real
-query), padded queries' rows are dropped from the output, and the gradients of the padding
-are dropped in the backward. The same function, exactly, at the cost of ``N' - N`` more tokens.
-
-Note [Bands]
-~~~~~~~~~~~~
-A mask read from the graph (``passes/masks.py``) may restrict ``t - p`` to a band ``[lo, hi]``
-(a sliding window: ``lo = 1 - W`` with ``is_causal``). Within a branch a query and its keys
-share a segment and a lattice offset, so ``t - p`` of a block's rows is the difference of their
-positions without the offset: ``start of the part + row * r``. The site's program classifies
-each block from those numbers (``program._block``; Note [The site program] in ``program.py``):
-all its pairs inside the band (the call is as without one), none (skipped, as causal attention
-skips blocks above the diagonal; never the transfer), or some: then the call gets ``band`` and
-the rows' positions (``_band_args``), and the block op masks the band
-in chunks of query rows (``ops.BAND_CHUNK`` scores each), so nothing of size (queries x keys)
-is ever held. Memory stays O(N/P); a window shorter than the shards skips most ring blocks.
 
 Note [Recentred key biases]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -241,7 +189,8 @@ class SitePlan:
     layout: str
     branches: tuple[BranchPlan, ...]
     pad: int = 0
-    """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence]):
+    """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence] in
+    ``passes/rewrite_sdpa.py``):
     ``n`` counts them; the site's inputs and outputs have ``n - pad`` tokens."""
     dropout: float = 0.0
     """Probability that an attention probability drops (Note [Dropout in blocks] in
@@ -251,7 +200,8 @@ class SitePlan:
     report names. Rings and transfers speak group ranks (Note [Group ranks] in ``p2p.py``)."""
     band: tuple[int | None, int | None] | None = None
     """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
-    top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands])."""
+    top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands] in
+    ``program.py``)."""
     documents: str | None = None
     """Key ``t`` reaches query ``p`` only if ``doc[t] <documents> doc[p]`` (``eq``: the same
     document; ``le``: block-causal; ``ops.RELATIONS``): the site's calls take ``docs (B|1, 1, N,
@@ -446,7 +396,8 @@ def _dilated(
 ) -> list[torch.Tensor]:  # fmt: skip
     """``xs (B, H, n[, C])`` in a branch's kernel layout ``(B*nseg, H', m[, C])`` or, with
     ``rows``, a ring branch's ``(B, H', nseg*m[, C])`` (Note [Rows of a ring branch]): views
-    where the rows stay in place, else one ``ops.dilate`` call each (Note [Gathers as calls]).
+    where the rows stay in place, else one ``ops.dilate`` call each (Note [Gathers as calls] in
+    ``ops.py``).
     In ``dtype``: by default the compute dtype, but for a ring's K/V, which travel in the input
     dtype (upcast per block, ``_kv_rows``)."""
     dtype = dtype or (plan.dtype if kv and rows else plan.compute_dtype)
@@ -468,10 +419,10 @@ def _undilate_add(
     plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False, start=0, zero=None
 ) -> torch.Tensor:  # fmt: skip
     """``total`` with ``y``, a branch's dilated gradient (``_dilated``'s layout), added at its rows,
-    in place (Note [Gradient sums as calls]); where ``total`` is None, a new one of ``y``'s heads in
-    ``stat_dtype``, in which contributions add up (docs/semantics.md, Accuracy), or ``y`` itself
-    where its rows are the site's (rate 1, no padding, one segment or a ring's rows). ``y``'s heads
-    are ``total``'s from ``start`` on; with ``zero`` they are written, not added to."""
+    in place (Note [Gradient sums as calls] in ``ops.py``); where ``total`` is None, a new one of
+    ``y``'s heads in ``stat_dtype``, in which contributions add up (docs/semantics.md, Accuracy), or
+    ``y`` itself where its rows are the site's (rate 1, no padding, one segment or a ring's rows).
+    ``y``'s heads are ``total``'s from ``start`` on; with ``zero`` they are written, not added to."""
     if zero is None:
         zero = total is None
     heads = layout.hkv if kv else layout.hq
@@ -545,7 +496,8 @@ def _band_args(
     plan: SitePlan, branch: BranchPlan, block: ProgramBlock, like: torch.Tensor, docs: torch.Tensor | None = None,
     heads: slice = slice(None),
 ) -> dict:  # fmt: skip
-    """The mask arguments of one block call (Note [Bands]), as the program decided them
+    """The mask arguments of one block call (Note [Bands] in ``program.py``), as the program
+    decided them
     (``program._block``): none for a full block; for a partial one ``band``, the rows'
     positions ``qpos`` and ``kpos`` and, with documents, ``qdoc`` and ``kdoc`` of the block's
     rows (query heads ``heads``)."""
@@ -630,7 +582,8 @@ def _chunk_kv(k_dilated, v_dilated, bias, qh: slice, kh: slice) -> list[torch.Te
 
 @dataclasses.dataclass
 class _Inputs:
-    """A site call's inputs on this rank: padded (Note [Padding the sequence]) and, in replicated
+    """A site call's inputs on this rank: padded (Note [Padding the sequence] in
+    ``passes/rewrite_sdpa.py``) and, in replicated
     mode, this rank's shard of them; ``docs`` whole (padded)."""
 
     q_padded: torch.Tensor

@@ -25,12 +25,12 @@ write[, real])`` their backward, adding (with ``write``: writing) the gradients 
 in place (Note [Local branches in place] in ``attention.py``); with ``real``, a causal site's
 count of real positions in a sequence padded to a length bucket, only the blocks' real rows.
 
-``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls] in
-``attention.py``) and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back,
-in place (Note [Gradient sums as calls] there). ``after(x, deps)`` and ``write_heads(total, x,
-start)`` order the local branches' gradient sums (Note [Head chunks of local branches] there);
+``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls])
+and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back, in place (Note
+[Gradient sums as calls]). ``after(x, deps)`` and ``write_heads(total, x, start)`` order the
+local branches' gradient sums (Note [Head chunks of local branches] in ``attention.py``);
 ``add_rows(total, x, start, rows, dtype)`` sums a ring step's gradients (Note [Gradient sums of a
-ring step] there).
+ring step] in ``attention.py``).
 
 With ``qbias (B|1, H|1, L)``, the key bias at each query row's own position, both ops add the
 key bias less the row's own, in chunks of query rows, and the lse is relative to it (Note
@@ -39,7 +39,35 @@ key bias less the row's own, in chunks of query rows, and the lse is relative to
 With ``band = [lo, hi]`` (``BAND_OPEN`` for an open end) and the rows' positions ``qpos (L,)``,
 ``kpos (S,)``, both ops let key ``t`` reach query ``p`` only if ``lo <= kpos[t] - qpos[p] <= hi``
 (and ``t <= p`` when causal): the mask is built per chunk of query rows, at most ``BAND_CHUNK``
-scores at a time (Note [Bands] in ``attention.py``).
+scores at a time (Note [Bands] in ``program.py``).
+
+Note [Gathers as calls]
+~~~~~~~~~~~~~~~~~~~~~~~
+Where a branch's rows do not stay in place (``r > 1``, or padding), the gather is one call of
+``ops.dilate``: per kernel head, one strided copy of that head's lattice rows, whose head and
+offset are Python ints of the call. Written as indexing, each gather would be a C++ kernel of
+inductor's with the branch's sizes, heads and lattice offsets baked in (per ring branch one for
+q, k, v in the forward and two in the backward, one more per head chunk of the local branches'
+backward), each about 0.6 s of compile (``benchmarks/compile_cost.py --site`` counts a site's
+kernels). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
+input), so nothing is lost at run time; the graph still shows one node per gather, role
+``dilate``. The way back is a call too in the backward (Note [Gradient sums as calls]); the
+forward's undilation stays a torch op, fused with the merge it feeds.
+
+Note [Gradient sums as calls]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A branch's dq, dk, dv go back to the site's rows by ``ops.undilate_add``: per kernel head one
+strided add into a running total, in place, the adjoint of the gather. The first branch to reach
+a total allocates it in ``stat_dtype`` and zeroes it (or writes it, at rate 1 without padding,
+where every position gets one row); later ones add. A ring's dq waits, dilated (``1 / r`` of
+q), and is added to the local branches' sums of each head chunk.
+As torch ops (an undilation with zeros off the lattice, an ``index_add`` for kv heads not
+shared), inductor would fuse the sum of every branch into kernels per head chunk of the local
+branches, with the chunk's lattice offsets baked in, and hold every branch's gradients until
+they ran (Note [Memory of a site] in ``report.py``). As calls the backward compiles no kernel
+per chunk, and a branch's gradients are freed once added. The forward's merge
+stays pointwise (docs/semantics.md, The rewritten graph): it weighs each branch's out by every
+branch's lse.
 """
 
 from __future__ import annotations
@@ -89,8 +117,8 @@ def _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block):
 
 
 BAND_CHUNK = 1 << 22
-"""Scores per chunk of query rows when a band or a row's own bias is applied (Note [Bands] and
-Note [Recentred key biases] in ``attention.py``)."""
+"""Scores per chunk of query rows when a band or a row's own bias is applied (Note [Bands] in
+``program.py``, Note [Recentred key biases] in ``attention.py``)."""
 
 
 def _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
@@ -289,7 +317,7 @@ def dilate(
     """``x (B, H, n, C)`` dilated by the branch ``layout`` (``BranchLayout``'s fields ``w, r, n,
     batch, hq, hkv, head0``) into a buffer of its own, in ``dtype``: the kv rows (``kv``) or the
     query rows (off the sequence: ``fill``), in kernel layout or, with ``rows``, a ring branch's
-    (``BranchLayout.gather``; Note [Gathers as calls] in ``attention.py``)."""
+    (``BranchLayout.gather``; Note [Gathers as calls])."""
     return BranchLayout(*layout).gather(x, kv=kv, rows=rows, fill=fill, dtype=dtype)
 
 
@@ -306,7 +334,7 @@ def undilate_add(
     """``y``, a branch's dilated rows in ``dilate``'s layout (``kv``, ``rows`` as there), added in
     place at their positions of heads ``[start, start + H)`` (dim 1) of ``total (B, H', n, C)``,
     ``H`` the layout's kv or query heads; with ``zero``, those heads are zeroed first
-    (``BranchLayout.scatter_add``; Note [Gradient sums as calls] in ``attention.py``)."""
+    (``BranchLayout.scatter_add``; Note [Gradient sums as calls])."""
     lay = BranchLayout(*layout)
     heads = total.narrow(1, start, lay.hkv if kv else lay.hq)
     lay.scatter_add(heads, y, kv=kv, rows=rows, zero=zero)

@@ -13,7 +13,7 @@ transfers and blocks is written here alone:
 * ``Chunk``: a ring branch's head chunk begins (its heads, as views);
 * ``Block``: one block attention call (or its backward): the branch, ring step and head chunk,
   its query and key rows, and ``kind``: ``full`` (no pair masked), ``partial`` (a band or
-  documents mask some: the call takes the rows' positions, Note [Bands] in ``attention.py``) or
+  documents mask some: the call takes the rows' positions, Note [Bands]) or
   ``skip`` (every pair masked: no call, the transfer still goes);
 * ``Merge`` / ``Undilate``: results merged (forward) or gradients summed (backward), and a
   branch's results put back at the site's rows; ``Land``: a ring's dK/dV home; ``Cast``: the
@@ -33,6 +33,19 @@ equal blocks once, each with how many times it runs (``times``). The counts are 
 chunks are equal slices, every hop of a ring sends the same); the steps are about ``1 / (ring
 size x head chunks)`` as many, which lets ``ring_rewrite.plan`` build every rank's of a billion
 tokens over 512 ranks in seconds.
+
+Note [Bands]
+~~~~~~~~~~~~
+A mask read from the graph (``passes/masks.py``) may restrict ``t - p`` to a band ``[lo, hi]``
+(a sliding window: ``lo = 1 - W`` with ``is_causal``). Within a branch a query and its keys
+share a segment and a lattice offset, so ``t - p`` of a block's rows is the difference of their
+positions without the offset: ``start of the part + row * r``. The site's program classifies
+each block from those numbers (``_block``; Note [The site program]):
+all its pairs inside the band (the call is as without one), none (skipped, as causal attention
+skips blocks above the diagonal; never the transfer), or some: then the call gets ``band`` and
+the rows' positions (``attention._band_args``), and the block op masks the band
+in chunks of query rows (``ops.BAND_CHUNK`` scores each), so nothing of size (queries x keys)
+is ever held. Memory stays O(N/P); a window shorter than the shards skips most ring blocks.
 """
 
 from __future__ import annotations
@@ -613,7 +626,7 @@ def _block(
 ) -> Block:  # fmt: skip
     """The block ``blk`` of ``branch`` at ring ``step`` (None: local) in head chunk ``c`` of
     ``heads`` query heads, and
-    what a band or documents make of it (Note [Bands] in ``attention.py``): ``full`` when no pair
+    what a band or documents make of it (Note [Bands]): ``full`` when no pair
     is masked, ``skip`` when every pair is (only where the band holds the diagonal: then every
     part keeps the block of its own diagonal and has rows to merge), else ``partial``."""
     layout = branch.layout

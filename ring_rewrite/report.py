@@ -460,7 +460,7 @@ def _ranks(ranks) -> str:
 
 
 def _causal(plan: SitePlan) -> str:
-    """``is_causal`` and the band a mask read from the graph adds (Note [Bands])."""
+    """``is_causal`` and the band a mask read from the graph adds (Note [Bands] in ``program.py``)."""
     if plan.band is None:
         return str(plan.is_causal)
     lo, hi = plan.band
