@@ -46,12 +46,11 @@ and log-sum-exp, so a block given the merged ones would run its forward again fi
 gradient of the merged output through the block's ``(out, lse)``), and on CPU it has no backward
 at all to develop against. ``gpu_kernels.py``'s flex rows say whether it could still pay.
 
-Tested: ``tests/test_cuda.py`` (skipped without a CUDA device) runs each candidate in bf16 and
+Tests: ``tests/test_cuda.py`` (skipped without a CUDA device) runs each candidate in bf16 and
 fp16 under inductor, outputs and gradients, against float64 and against SDPA in the same dtype;
-float32 and masks through the memory-efficient kernel; a transfer over NCCL. It passed on one
-NVIDIA H200 with torch 2.11.0+cu130 with the memory-efficient kernel alone (52 tests, 1.7e-6 at
-most in float32). P = 1 only: one GPU runs no ring of processes. The CPU CI skips that file;
-``tests/test_kernels.py`` checks every candidate's shapes on meta tensors there.
+float32 and masks through the memory-efficient kernel; a transfer over NCCL (what has run on a
+GPU, and when: README.md, Support). The CPU CI skips that file; ``tests/test_kernels.py`` checks
+every candidate's shapes on meta tensors there.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ Where a branch's rows do not stay in place (``r > 1``, or padding), the gather i
 offset are Python ints of the call. Written as indexing, each gather would be a C++ kernel of
 inductor's with the branch's sizes, heads and lattice offsets baked in (per ring branch one for
 q, k, v in the forward and two in the backward, one more per head chunk of the local branches'
-backward), each about 0.6 s of compile (``benchmarks/compile_cost.py --site`` counts a site's
+backward), each its own compile (``benchmarks/compile_cost.py --site`` counts a site's
 kernels). A gather is a copy whatever compiles it (a block op reads a buffer, never a fused
 input), so nothing is lost at run time; the graph still shows one node per gather, role
 ``dilate``. The way back is a call too in the backward (Note [Gradient sums as calls]); the

@@ -193,9 +193,9 @@ transfers keep torch's stream contract (``ProcessGroupNCCL``; its functional col
   over gloo, and a transfer left pending (an error between its start and its wait) is recovered
   at the next header as on the CPU, its messages posted on the GPU.
 
-What ran where: the transport's calls are checked on CPU against a fake process group
+Tests: the transport's calls are checked on CPU against a fake process group
 (``tests/test_ring.py``); ``tests/test_cuda.py`` sends to its own rank over NCCL on one GPU
-(NCCL runs no ring of several processes on one GPU). A ring of several GPUs has not run.
+(NCCL runs no ring of several processes on one GPU). What has run on GPUs: README.md, Support.
 """
 
 from __future__ import annotations
