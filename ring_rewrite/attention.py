@@ -148,10 +148,9 @@ from .merge import merge_partials
 from .numerics import stat_dtype
 from .ops import BAND_OPEN, RELATIONS
 from .p2p import DKV, Ring, Rotater, global_ranks
-from .program import Block as ProgramBlock
-from .program import Cast, Chunk, Dilate, Gather, Land, Merge, Program, Start, Undilate, Wait, build, chunks
+from .program import Block, Cast, Chunk, Dilate, Gather, Land, Merge, Program, Start, Undilate, Wait, build, chunks
 from .roles import role
-from .schedule import Block, BranchPlan, plan_branch, shard_parts
+from .schedule import BranchPlan, Parts, plan_branch, shard_parts
 
 __all__ = ["SitePlan", "site_forward", "site_backward"]
 
@@ -452,7 +451,7 @@ def _split_rows(x: torch.Tensor, layout, p0: int, p1: int) -> list[torch.Tensor]
     return [x.select(2, j) for j in range(p1 - p0)]
 
 
-def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block):
+def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Parts):
     """K and V rows of a block; K/V travel in the input dtype and are upcast only here."""
     rows = [_rows(x, layout, blk.k0, blk.k1) for x in kv]
     if plan.compute_dtype != plan.dtype:
@@ -460,7 +459,7 @@ def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Block):
     return rows
 
 
-def _own_bias(plan: SitePlan, bias: torch.Tensor | None, layout=None, blk: Block | None = None) -> dict:
+def _own_bias(plan: SitePlan, bias: torch.Tensor | None, layout=None, blk: Parts | None = None) -> dict:
     """A block call's ``qbias``, the key bias of its query rows (Note [Recentred key biases]):
     of a ring branch's rows ``blk.q0 .. blk.q1`` (``bias`` this rank's own), of a local branch
     all of them; nothing where the plan does not recentre."""
@@ -493,7 +492,7 @@ def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
 
 
 def _band_args(
-    plan: SitePlan, branch: BranchPlan, block: ProgramBlock, like: torch.Tensor, docs: torch.Tensor | None = None,
+    plan: SitePlan, branch: BranchPlan, block: Block, like: torch.Tensor, docs: torch.Tensor | None = None,
     heads: slice = slice(None),
 ) -> dict:  # fmt: skip
     """The mask arguments of one block call (Note [Bands] in ``program.py``), as the program
@@ -518,7 +517,7 @@ def _band_args(
     return args
 
 
-def _doc_rows(plan, branch, docs, block: ProgramBlock, keys: bool, heads: slice) -> torch.Tensor:
+def _doc_rows(plan, branch, docs, block: Block, keys: bool, heads: slice) -> torch.Tensor:
     """Document ids of a block's query rows (or ``keys``' rows, those of the K/V held at its
     step), per query head (each head its lattice offset), in the order of the rows; ``docs``
     covers the whole (padded) sequence."""
@@ -619,7 +618,7 @@ class _Call:
     def run(self, step) -> None:
         getattr(self, type(step).__name__.lower())(step)
 
-    def block(self, step: ProgramBlock) -> None:
+    def block(self, step: Block) -> None:
         if step.kind == "skip":
             return
         if step.in_place:
@@ -687,7 +686,7 @@ class _Forward(_Call):
         self.held[(step.branch, step.chunk)] = (qh, q_heads, _kv_and_bias(kv)[1], kv)
         self.merged[(step.branch, step.chunk)] = {}
 
-    def _ring_block(self, blk: ProgramBlock) -> None:
+    def _ring_block(self, blk: Block) -> None:
         plan, i, key = self.plan, blk.branch, (blk.branch, blk.chunk)
         layout = plan.branches[i].layout
         qh, q, own_bias, kv = self.held[key]
@@ -708,7 +707,7 @@ class _Forward(_Call):
         with role("merge", branch=i, step=blk.step):
             _merge_rows(self.merged[key], layout, blk.q0, blk.q1, out, lse)
 
-    def _local(self, blk: ProgramBlock) -> None:
+    def _local(self, blk: Block) -> None:
         plan, i = self.plan, blk.branch
         q, k, v, bias = self.rows[i]
         with role("attention", branch=i):
@@ -718,7 +717,7 @@ class _Forward(_Call):
             )
         self.results[i] = (out, lse)
 
-    def _in_place(self, blk: ProgramBlock) -> None:
+    def _in_place(self, blk: Block) -> None:
         """A local branch read where it lies, merged into the running out and lse (Note [Local
         branches in place]); the first allocates them, and at rate 1 writes them."""
         plan, x = self.plan, self.inputs
@@ -932,7 +931,7 @@ class _Backward(_Call):
             rows = layout.nseg * layout.m
             chunk.landed = [_add_rows(self.plan, a, b, 0, rows) for a, b in zip(chunk.landed, chunk.own)]
 
-    def _ring_block(self, blk: ProgramBlock) -> None:
+    def _ring_block(self, blk: Block) -> None:
         plan, i = self.plan, blk.branch
         layout = plan.branches[i].layout
         chunk = self.chunks[(i, blk.chunk)]
@@ -988,7 +987,7 @@ class _Backward(_Call):
         else:
             chunk.dkv = sums
 
-    def _in_place(self, blk: ProgramBlock) -> None:
+    def _in_place(self, blk: Block) -> None:
         """A local branch read where it lies, its gradients added into the site's (Note [Local
         branches in place]); the first allocates them and, at rate 1, writes them."""
         plan, x = self.plan, self.inputs
@@ -1049,7 +1048,7 @@ class _Backward(_Call):
         lse = _after(lse, *before)
         lc.branch = (chunk, layout, dout, q, k, v, out, lse, bias)
 
-    def _local(self, blk: ProgramBlock) -> None:
+    def _local(self, blk: Block) -> None:
         plan, i = self.plan, blk.branch
         chunk, layout, dout, q, k, v, out, lse, bias = self.local.branch
         with role("attention_backward", branch=i):

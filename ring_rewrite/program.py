@@ -63,7 +63,7 @@ from .schedule import shard_parts
 if TYPE_CHECKING:
     from .attention import SitePlan
     from .schedule import BranchPlan
-    from .schedule import Block as Parts
+    from .schedule import Parts
 
 __all__ = [
     "Block", "Cast", "Chunk", "Dilate", "Gather", "Land", "Merge", "Program", "Start", "Undilate", "Wait", "build",

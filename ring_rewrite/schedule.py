@@ -34,11 +34,11 @@ import dataclasses
 
 from .dilation import BranchLayout
 
-__all__ = ["Block", "BranchPlan", "plan_branch", "shard_parts"]
+__all__ = ["Parts", "BranchPlan", "plan_branch", "shard_parts"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Block:
+class Parts:
     """Attention of query parts ``[q0, q1)`` to key parts ``[k0, k1)``."""
 
     q0: int
@@ -60,7 +60,7 @@ class BranchPlan:
     ranks] in ``p2p.py``); one rank for a local branch."""
     position: int
     """This rank's index in ``ring``."""
-    steps: tuple[tuple[Block, ...], ...]
+    steps: tuple[tuple[Parts, ...], ...]
     """Blocks computed at each step (step s holds the K/V of ``ring[position - s]``)."""
 
     @property
@@ -98,12 +98,12 @@ def plan_branch(
     n_local = n_global // world
     if world == 1:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
-        return BranchPlan(w, r, geometry, (rank,), 0, ((Block(0, 1, 0, 1, is_causal),),))
+        return BranchPlan(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
     parts = shard_parts(layout)
     part = n_local // parts
     if part % w == 0:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
-        return BranchPlan(w, r, geometry, (rank,), 0, ((Block(0, 1, 0, 1, is_causal),),))
+        return BranchPlan(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
     if part % r:
         raise ValueError(
             f"branch (w={w}, r={r}): each rank's part of {part} tokens is not a multiple of the "
@@ -134,22 +134,22 @@ def plan_branch(
     return BranchPlan(w, r, geometry, ring, position, steps)
 
 
-def _blocks(k: int, j: int, parts: int, full: bool, causal: bool) -> tuple[Block, ...]:
+def _blocks(k: int, j: int, parts: int, full: bool, causal: bool) -> tuple[Parts, ...]:
     """Blocks of query rank ``k`` against the K/V of rank ``j`` (Note [Ring schedule])."""
     if parts == 1:
         if not causal:
-            return (Block(0, 1, 0, 1, False),)
+            return (Parts(0, 1, 0, 1, False),)
         if j == k:
-            return (Block(0, 1, 0, 1, True),)
-        return (Block(0, 1, 0, 1, False),) if j < k else ()
+            return (Parts(0, 1, 0, 1, True),)
+        return (Parts(0, 1, 0, 1, False),) if j < k else ()
     if full:
         if not causal:
-            return (Block(0, 2, 0, 2, False),)
+            return (Parts(0, 2, 0, 2, False),)
         if j == k:
-            return (Block(0, 2, 0, 2, True),)
-        return (Block(0, 2, 0, 1, False),) if j < k else (Block(1, 2, 0, 2, False),)
+            return (Parts(0, 2, 0, 2, True),)
+        return (Parts(0, 2, 0, 1, False),) if j < k else (Parts(1, 2, 0, 2, False),)
     if not causal:
-        return (Block(0, 1, 0, 1, False), Block(1, 2, 1, 2, False))
+        return (Parts(0, 1, 0, 1, False), Parts(1, 2, 1, 2, False))
     if j == k:
-        return (Block(0, 1, 0, 1, True), Block(1, 2, 1, 2, True))
-    return (Block(0, 1, 0, 1, False),) if j < k else (Block(1, 2, 1, 2, False),)
+        return (Parts(0, 1, 0, 1, True), Parts(1, 2, 1, 2, True))
+    return (Parts(0, 1, 0, 1, False),) if j < k else (Parts(1, 2, 1, 2, False),)
