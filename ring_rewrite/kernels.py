@@ -579,7 +579,7 @@ def _chunk_scores(q, k, bias, scale, is_causal, r0, r1, dtype):
     return s
 
 
-def _row_chunks(q: torch.Tensor, keys: int) -> list[tuple[int, int]]:
+def _dropout_rows(q: torch.Tensor, keys: int) -> list[tuple[int, int]]:
     """Query rows ``[r0, r1)`` of each chunk: at most ``DROPOUT_CHUNK`` scores each."""
     rows = max(1, DROPOUT_CHUNK // max(1, q.shape[0] * q.shape[1] * keys))
     return [(r0, min(r0 + rows, q.shape[2])) for r0 in range(0, q.shape[2], rows)]
@@ -598,7 +598,7 @@ def dropout_forward(q, k, v, bias, scale, is_causal, p, seed, block):
     dtype = torch.promote_types(q.dtype, torch.float32)
     heads = k.shape[1]
     outs, lses = [], []
-    for c, (r0, r1) in enumerate(_row_chunks(q, k.shape[2])):
+    for c, (r0, r1) in enumerate(_dropout_rows(q, k.shape[2])):
         s = _chunk_scores(q, k, bias, scale, is_causal, r0, r1, dtype)
         lse = torch.logsumexp(s, -1)
         finite = lse.masked_fill(lse == float("-inf"), 0.0)  # an empty row: all of s is -inf
@@ -617,7 +617,7 @@ def dropout_backward(dout, q, k, v, out, lse, bias, scale, is_causal, p, seed, b
     dqs = []
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
-    for c, (r0, r1) in enumerate(_row_chunks(q, k.shape[2])):
+    for c, (r0, r1) in enumerate(_dropout_rows(q, k.shape[2])):
         s = _chunk_scores(q, k, bias, scale, is_causal, r0, r1, dtype)
         prob, dropped = _dropped(s, lse[:, :, r0:r1].to(dtype), p, seed, [*block, c], q.device)
         do, qc = dout[:, :, r0:r1].to(dtype), q[:, :, r0:r1].to(dtype)

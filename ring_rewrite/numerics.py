@@ -9,7 +9,7 @@ fill of ``min`` gives the mean of the values and ``-inf`` nothing. Here a value 
 its dtype's lowest (``mask_floor``) masks as ``-inf`` does, everywhere a mask is read: the
 constants of a mask's construction (``passes/masks.py``, ``passes/hand_written.py``: ``masks``),
 key biases computed at run time (``masked_fills``: a key-padding mask given as it is, the key
-bias of a dense mask, a decode step's), and a row's own bias (``ops._row_chunks``). So a row, or a
+bias of a dense mask, a decode step's), and a row's own bias (``ops._band_chunks``). So a row, or a
 branch's segment of a row, with nothing but masked keys attends to nothing, 0, whichever fill
 the model used (docs/semantics.md, Accuracy). Half the lowest, not the lowest: a fill that a
 finite bias was added to (ALiBi plus padding) still masks.

@@ -121,7 +121,7 @@ BAND_CHUNK = 1 << 22
 ``program.py``, Note [Recentred key biases] in ``attention.py``)."""
 
 
-def _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
+def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
     """Query rows ``[r0, r1)`` of each chunk and the chunk's additive bias ``(B|1, H|1, rows,
     S)``: the key bias (less each row's own, ``qbias``, where given) plus ``-inf`` outside the
     band (and above the diagonal when causal), and between different documents.
@@ -181,7 +181,7 @@ def block_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if band is None and qbias is None:
         return _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block)
-    chunks = _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias)
+    chunks = _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias)
     outs, lses = [], []
     for c, (r0, r1, chunk_bias) in enumerate(chunks):
         chunk_block = None if block is None else [*block, c]
@@ -244,7 +244,7 @@ def block_attention_backward(
         return _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block)
     dqs, dk, dv = [], None, None
     acc = stat_dtype(q.dtype)
-    chunks = _row_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias)
+    chunks = _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias)
     for c, (r0, r1, chunk_bias) in enumerate(chunks):
         rows = slice(r0, r1)
         chunk_block = None if block is None else [*block, c]
