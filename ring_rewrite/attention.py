@@ -25,7 +25,7 @@ rank that holds borrowed K/V; the owner keeps its own share: ``G - 1`` dK/dV mes
 not as the site returns it. ``rowsum(dO * O)`` must cancel against the blocks' own ``exp(s - L)``
 (the row sums of ``dS`` are 0): an ``O`` rounded to bfloat16 leaves each row of ``dS`` a sum of
 about 2^-8 of ``dO·O``, which ``dq`` sees multiplied by ``|k|`` (and ``dk`` by ``|q|``) where the
-true gradient cancels it. With keys sharing an offset of 100 that was tens of times the error of the
+true gradient cancels it. With keys sharing an offset of 100 that is tens of times the error of the
 same kernel with ``O`` in float32 (and of SDPA's math kernel); the cost is 2 bytes per output
 entry more saved per site.
 
