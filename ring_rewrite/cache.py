@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .decode import sharded_keys
@@ -24,6 +25,21 @@ from .layout import positions, shard_batch
 from .p2p import resolve_group
 
 __all__ = ["ShardedCache", "prefill"]
+
+
+# Note [An even cache]
+# ~~~~~~~~~~~~~~~~~~~~
+# The prefill pads the prompt (to a bucket, and to a multiple of the shards) and cuts it by the
+# layout, so the padding lands on some ranks only: a contiguous cut of 516 tokens padded to 1,024
+# over 4 ranks leaves ranks 0 and 1 256 prompt tokens each, rank 3 none. A decode step attends
+# each rank's keys at the positions the cache names (Note [A sharded KV cache] in ``decode.py``),
+# so which rank holds a key changes nothing but the order of a sum. After the prefill the ranks
+# even out: every rank keeps at most ``ceil(N / P)`` prompt tokens (N those the prefill ran), a
+# rank above it sends its surplus to the ranks below (one batch of point-to-point transfers per
+# cache, every layer's keys and values; ``_moves`` plans it the same on every rank from the
+# layout alone), and every rank pads its part with its own padding keys (position -1) up to
+# ``ceil(N / P)`` so that the ranks' shapes match and their decode steps compile alike. The
+# padding is dropped: the cache per rank is ``ceil(N / P)`` keys, not the padded shard.
 
 
 class ShardedLayer(DynamicLayer):
@@ -71,11 +87,11 @@ class ShardedLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("ring_rewrite: a ShardedCache cannot be cropped")
 
-    def place(self, at: torch.Tensor, length: int, attends: bool, layout: str, world: int) -> None:
-        """Name the prefill's tokens' positions ``at`` (those ``>= length`` are padding), cut by
-        ``layout`` over ``world`` ranks."""
+    def place(self, keys: torch.Tensor, values: torch.Tensor, at: torch.Tensor, length: int, attends: bool, layout: str, world: int) -> None:
+        """Hold the prefill's ``keys`` and ``values`` at positions ``at`` (-1: padding) of a
+        prompt of ``length`` tokens, cut by ``layout`` over ``world`` ranks."""
+        self.keys, self.values, self.positions = keys, values, at
         self.layout, self.world = layout, world
-        self.positions = torch.where(at < length, at, -1)
         self.length = torch.tensor(length, device=at.device)
         self.attends = torch.tensor(attends, device=at.device)
 
@@ -87,7 +103,7 @@ class ShardedCache(Cache):
 
     def __init__(self, *, group=None, layout: str = "contiguous"):
         super().__init__(layer_class_to_replicate=ShardedLayer)
-        _, self.world, self.rank = resolve_group(group)
+        self.group, self.world, self.rank = resolve_group(group)
         self.layout = layout
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
@@ -98,10 +114,62 @@ class ShardedCache(Cache):
         return 0
 
     def _place(self, padded: int, length: int) -> None:
-        """After the prefill of ``padded`` tokens of which the first ``length`` are the prompt."""
-        at = positions(padded, world=self.world, rank=self.rank, layout=self.layout, device=self.layers[0].keys.device)
+        """After the prefill of ``padded`` tokens of which the first ``length`` are the prompt:
+        even out the ranks' parts (Note [An even cache]) and name each key's position."""
+        device = self.layers[0].keys.device
+        held = [positions(padded, world=self.world, rank=r, layout=self.layout, device=device) for r in range(self.world)]
+        real = [at[at < length] for at in held]  # each rank's prompt positions, in its order
+        share = -(-length // self.world)
+        moves = _moves([len(x) for x in real], share)
+        mine, count = held[self.rank], len(real[self.rank])
+        order = torch.argsort((mine >= length).to(torch.int8), stable=True)  # its prompt first, then padding
+        sent = [(dst, start, k) for src, dst, start, k in moves if src == self.rank]
+        got = [(src, start, k) for src, dst, start, k in moves if dst == self.rank]
+        kept = order[: min(count, share)]
+        pad = order[count:][: share - len(kept) - sum(k for *_, k in got)]
+        at = torch.cat([mine[kept], *(real[src][start : start + k] for src, start, k in got), mine[pad].fill_(-1)])
+
+        ops, parts = [], []
+        for i, layer in enumerate(self.layers):
+            for j, x in enumerate((layer.keys, layer.values)):
+                for dst, start, k in sent:
+                    part = x[:, :, order[start : start + k]].contiguous()
+                    ops.append(dist.P2POp(dist.isend, part, group=self.group, group_peer=dst, tag=2 * i + j))
+                for src, _, k in got:
+                    part = x.new_empty(*x.shape[:2], k, *x.shape[3:])
+                    ops.append(dist.P2POp(dist.irecv, part, group=self.group, group_peer=src, tag=2 * i + j))
+                    parts.append(part)
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+
+        received = iter(parts)
         for layer in self.layers:
-            layer.place(at, length, attends=self.rank == 0, layout=self.layout, world=self.world)
+            keys, values = (
+                torch.cat([x[:, :, kept], *(next(received) for _ in got), x[:, :, pad]], 2)
+                for x in (layer.keys, layer.values)
+            )  # fmt: skip
+            # NOTE: a tensor of positions per layer, as each layer's step appends its own: layers
+            # that shared one would reach the first step's graph as one input, the next as two.
+            layer.place(keys, values, at.clone(), length, attends=self.rank == 0, layout=self.layout, world=self.world)
+
+
+def _moves(counts: list[int], share: int) -> list[tuple[int, int, int, int]]:
+    """``(src, dst, start, k)``: rank ``src`` sends its prompt tokens ``start .. start + k - 1``
+    (in its order) to ``dst``, so that no rank holds more than ``share`` and the ranks below it
+    fill up in rank order."""
+    spare = [[r, share, c - share] for r, c in enumerate(counts) if c > share]
+    moves = []
+    for dst, c in enumerate(counts):
+        need = share - c
+        while need > 0 and spare:
+            src, start, left = spare[0]
+            k = min(need, left)
+            moves.append((src, dst, start, k))
+            need -= k
+            spare[0][1:] = [start + k, left - k]
+            if left == k:
+                spare.pop(0)
+    return moves
 
 
 def prefill(
@@ -118,10 +186,11 @@ def prefill(
     Runs ``model`` (compiled with the ``ring_dilated`` backend, ``sharding="sharded"``) once on
     this rank's part of the prompt less its last token (cut by ``shard_batch``), under
     ``torch.no_grad``, and returns the ``ShardedCache`` it filled: each rank keeps the keys and
-    values of its own part. The prefill's padding (up to a power of two with ``buckets``) stays
-    in the cache at position -1, never attended, so that every rank's shapes match: a prompt just
-    over a power of two nearly doubles the cache; ``buckets=False`` pads only to a multiple of
-    the shards, at one compiled prefill per prompt length. ``model.generate(input_ids, cache=cache, ...)``
+    values of its part, the ranks evened out so that each holds ``ceil((N - 1) / P)`` of the
+    prompt's tokens whatever the padding (Note [An even cache]). The prefill computes the padded
+    length (a power of two with ``buckets``, one compiled prefill per bucket; ``buckets=False``
+    pads only to a multiple of the shards, at one compiled prefill per prompt length).
+    ``model.generate(input_ids, cache=cache, ...)``
     (with ``attention_mask`` a tensor of ones: without one, ``generate`` reads any
     ``pad_token_id`` among the ids as padding, and a decode step over a sharded cache takes no
     mask) then feeds the last prompt token and every new one on every rank; each decode step attends

@@ -60,7 +60,7 @@ def _reference_tokens(name, ids, steps, segs, rates):
 
 
 def _generate_on_a_rank(rank, world, cases, check_errors):
-    for name, layout, (segs, rates), ids, steps, shard, want in cases:
+    for name, layout, (segs, rates), ids, steps, want in cases:
         torch._dynamo.reset()
         model = _lm(name)
         backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, sharding="sharded", layout=layout)
@@ -78,15 +78,19 @@ def _generate_on_a_rank(rank, world, cases, check_errors):
         decode = [r for r in backend.records if r.decode]
         assert 2 <= len(decode) <= 4 and all(r.rewritten for r in backend.records), (what, backend.records)
 
-        # This rank's cache holds its shard of the padded prompt (less its last token) and one key
-        # per step fed; only rank 0 attends the new tokens.
+        # Every rank's cache holds ceil(length / P) of the prompt's keys (less its last token; the
+        # ranks evened out, Note [An even cache]) and one key per step fed; the ranks' prompt
+        # positions are the prompt's, each once, and only rank 0 attends the new tokens.
         length = ids.shape[1] - 1
-        at = ring_rewrite.positions(shard * world, world=world, rank=rank, layout=layout)
+        share = -(-length // world)
         new = torch.arange(length, length + steps) if rank == 0 else torch.full((steps,), -1)
-        placed = torch.cat([torch.where(at < length, at, -1), new])
         for layer in cache.layers:
-            assert layer.keys.shape[2] == layer.values.shape[2] == shard + steps, (what, layer.keys.shape)
-            assert torch.equal(layer.positions, placed), (what, layer.positions, placed)
+            assert layer.keys.shape[2] == layer.values.shape[2] == share + steps, (what, layer.keys.shape)
+            assert torch.equal(layer.positions[share:], new), (what, layer.positions)
+            every = [torch.empty_like(layer.positions) for _ in range(world)]
+            dist.all_gather(every, layer.positions)
+            prompt = torch.cat([p[:share] for p in every])
+            assert torch.equal(prompt[prompt >= 0].sort().values, torch.arange(length)), (what, every)
         assert cache.get_seq_length() == length + steps
 
         if check_errors:
@@ -102,28 +106,28 @@ def _generate_on_a_rank(rank, world, cases, check_errors):
                 type(model).forward(model, input_ids=got[:, -1:], cache=cache)
 
 
-def _case(name, layout, config, batch, n, steps, shard):
+def _case(name, layout, config, batch, n, steps):
     torch.manual_seed(n)
     ids = torch.randint(1, 64, (batch, n))
-    return name, layout, config, ids, steps, shard, _reference_tokens(name, ids, steps, *config)
+    return name, layout, config, ids, steps, _reference_tokens(name, ids, steps, *config)
 
 
 def test_generate_from_a_sharded_cache_on_two_ranks_zigzag():
     """P = 2, zigzag. Llama, dilated: 12 prompt tokens padded to 16 (rank 0 holds 0-3 and four
-    padding tokens), steps at 12 .. 19 crossing the 16-token segment. GPT-NeoX, exact: 6 padded
-    to 8. Then the errors of a decode step that cannot run over a sharded cache."""
+    padding tokens, rank 1 4-11, so rank 1 sends two to rank 0), steps at 12 .. 19 crossing the
+    16-token segment. GPT-NeoX, exact: 6 padded to 8 (2 and 4 prompt tokens, evened to 3). Then the errors of a decode step that cannot run over a sharded cache."""
     cases = [
-        _case("Llama", "zigzag", DILATED, batch=2, n=13, steps=8, shard=8),
-        _case("GPTNeoX", "zigzag", EXACT, batch=2, n=7, steps=5, shard=4),
+        _case("Llama", "zigzag", DILATED, batch=2, n=13, steps=8),
+        _case("GPTNeoX", "zigzag", EXACT, batch=2, n=7, steps=5),
     ]
     run_ranks(2, _generate_on_a_rank, cases, True)
 
 
 def test_generate_from_a_sharded_cache_on_four_ranks_contiguous():
-    """P = 4, contiguous, GPT-NeoX, dilated: 18 prompt tokens padded to 32, so rank 2 holds two
-    real tokens and rank 3 padding only; steps at 18 .. 25 cross the 8-token segment at 24.
+    """P = 4, contiguous, GPT-NeoX, dilated: 18 prompt tokens padded to 32, so ranks 0 and 1 hold
+    8, rank 2 two and rank 3 padding only, evened out to at most 5 each; steps at 18 .. 25 cross the 8-token segment at 24.
     (One model: every compile runs on four ranks.)"""
-    case = _case("GPTNeoX", "contiguous", DILATED, batch=2, n=19, steps=8, shard=8)
+    case = _case("GPTNeoX", "contiguous", DILATED, batch=2, n=19, steps=8)
     run_ranks(4, _generate_on_a_rank, [case], False)
 
 
