@@ -10,9 +10,10 @@ from typing import Any
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from ring_rewrite.attention import SitePlan
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.p2p import resolve_group
+from ring_rewrite.program import Program, build
+from ring_rewrite.site_plan import SitePlan
 
 __all__ = ["SiteRecord", "TOUCHED", "UnsupportedSiteError", "leave_alone", "records", "sharded"]
 
@@ -47,6 +48,21 @@ class SiteRecord:
     @property
     def rewritten(self) -> bool:
         return self.plan is not None or self.decode
+
+    @property
+    def forward_program(self) -> Program:
+        """What the site's forward does on this rank, step by step (Note [The site program])."""
+        return build(self._planned(), "forward")
+
+    @property
+    def backward_program(self) -> Program:
+        """What the site's backward does on this rank, step by step (Note [The site program])."""
+        return build(self._planned(), "backward")
+
+    def _planned(self) -> SitePlan:
+        if self.plan is None:
+            raise ValueError(f"site {self.site} ({self.location}) has no program: {self.reason or 'a decode step'}")
+        return self.plan
 
 
 def records(gm: fx.GraphModule) -> list[SiteRecord]:

@@ -68,7 +68,8 @@ import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
 
-from ring_rewrite.attention import SitePlan, site_backward, site_forward
+from ring_rewrite.attention import site_backward, site_forward
+from ring_rewrite.site_plan import SitePlan
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.layout import assemble
 from ring_rewrite.numerics import masked_fills

@@ -29,42 +29,6 @@ true gradient cancels it. With keys sharing an offset of 100 that is tens of tim
 same kernel with ``O`` in float32 (and of SDPA's math kernel); the cost is 2 bytes per output
 entry more saved per site.
 
-Note [Head chunks]
-~~~~~~~~~~~~~~~~~~
-Heads never interact, so a ring branch may run its whole ring for a slice of the heads, then
-again for the next slice. The bytes sent do not change; what does is every buffer the ring
-holds at once: K/V arriving while the held ones compute, dK/dV held and arriving, the block's
-gradients. Over all heads those are some eight local-K-sized tensors on top of the four the
-single-device backward also needs (out, dq, dk, dv), which would keep the per-rank peak far above
-1/P of the single-device one; in ``g`` chunks they shrink to ``1/g``. Chunks cost one more
-transfer and kernel call each, so ``SitePlan.head_chunks`` takes as many as divide the dilated kv
-heads while each K/V message stays at least ``RING_CHUNK_BYTES`` (small rings stay whole). In the
-backward a chunk's dK/dV make their last hop home while the next chunk's first step computes, so
-only the last chunk's last hop has nothing to overlap with.
-
-Note [Head chunks of local branches]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Where the local branches cannot run in place (Note [Local branches in place]), a local
-branch's backward holds its dilated copies (q, dout, out, K/V at ``r > 1``), its
-kernel's gradients with their contiguous copy, and the sums they are added to (while inductor
-summed pointwise, every branch's gradients too: 9.6 ``q``-sized tensors at the peak in
-``benchmarks/single_device.py``'s LongNet config). So the local branches' backward runs one
-head chunk (of whole kv heads) at a time: every local branch computes its share of the chunk's
-heads, and the shares are summed (with the rings' dq of those heads, Note [Gradient sums as
-calls]) straight into those heads of the site's dq, dk, dv, in place (``undilate_add``'s
-``start``; a concatenation would hold every chunk's sums beside its result). Where the sums are
-wider than the inputs (``stat_dtype``: float32 for 16-bit inputs) a chunk sums into buffers of
-its own instead, cast once into the site's (``ops.write_heads``). The next chunk's blocks wait
-for those writes (``ops.after`` on their lse: nothing else stops a compiler from running every
-chunk's blocks first and holding their results). At once are held the site's gradients (and a
-chunk's own sums, where wider) and one branch's copies, gradients and scratch for that chunk.
-Summing in place saves three chunk-sized buffers a chunk and a copy of dq, dk, dv a step (at
-256k tokens a one-head chunk is 64 MiB, over glibc's ``mmap`` threshold: fresh pages every
-time). ``SitePlan.local_chunks`` takes the fewest chunks whose share fits in
-``max(LOCAL_CHUNK_BYTES, q)``: small sites stay whole, as does a site with dropout (a block's
-keep-mask is drawn over all of its heads). The forward holds each branch's out and lse, ``1 / r``
-of q each (in place, the Note below, one running pair), and needs no chunks.
-
 Note [Local branches in place]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A local branch's rows are a lattice of the site's own: per kernel head, segment after segment,
@@ -140,193 +104,19 @@ import dataclasses
 
 import torch
 
-from . import cpu_kernel
-from .kernels import block_kernel
 from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
-from .numerics import stat_dtype
 from .ops import BAND_OPEN, RELATIONS
-from .p2p import DKV, Ring, Rotater, global_ranks
-from .program import Block, Cast, Chunk, Dilate, Gather, Land, Merge, Program, Start, Undilate, Wait, build, chunks
+from .p2p import DKV, Ring, Rotater
+from .program import Block, Cast, Chunk, Dilate, Gather, Land, Merge, Start, Undilate, Wait, build, chunks
 from .roles import role
-from .schedule import BranchPlan, Parts, plan_branch, shard_parts
+from .site_plan import SitePlan
+from .schedule import BranchPlan, Parts
 
-__all__ = ["SitePlan", "site_forward", "site_backward"]
+__all__ = ["site_forward", "site_backward"]
 
 _NEG_INF = float("-inf")
-# A ring branch runs its heads in chunks whose K/V message is at least this large (Note [Head
-# chunks]).
-RING_CHUNK_BYTES = 1 << 20
-# The local branches' backward runs in head chunks whose working set is at most this, or q
-# (Note [Head chunks of local branches]).
-LOCAL_CHUNK_BYTES = 1 << 26
-
-
-@dataclasses.dataclass(frozen=True)
-class SitePlan:
-    """Everything static about one rewritten site on one rank."""
-
-    site: int
-    batch: int
-    hq: int
-    hkv: int
-    n: int
-    """Global sequence length."""
-    d: int
-    dv: int
-    dtype: torch.dtype
-    device: str
-    """Device type of the inputs: which block kernel runs (``kernels.py``)."""
-    scale: float
-    is_causal: bool
-    has_mask: bool
-    world: int
-    rank: int
-    group_name: str
-    sharding: str
-    layout: str
-    branches: tuple[BranchPlan, ...]
-    pad: int = 0
-    """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence] in
-    ``passes/rewrite_sdpa.py``):
-    ``n`` counts them; the site's inputs and outputs have ``n - pad`` tokens."""
-    dropout: float = 0.0
-    """Probability that an attention probability drops (Note [Dropout in blocks] in
-    ``kernels.py``); the site's calls then take a ``seed``."""
-    ranks: tuple[int, ...] = (0,)
-    """The global rank of each rank of the group (``ranks[rank]`` is this process): what the
-    report names. Rings and transfers speak group ranks (Note [Group ranks] in ``p2p.py``)."""
-    band: tuple[int | None, int | None] | None = None
-    """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
-    top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands] in
-    ``program.py``)."""
-    documents: str | None = None
-    """Key ``t`` reaches query ``p`` only if ``doc[t] <documents> doc[p]`` (``eq``: the same
-    document; ``le``: block-causal; ``ops.RELATIONS``): the site's calls take ``docs (B|1, 1, N,
-    1)``, the id of every position (replicated mode or one rank: every rank holds them all; Note
-    [Bands])."""
-    recentred: bool = False
-    """Whether the key bias holds more than a mask (a bias such as ALiBi's, which grows with the
-    position): block calls then recentre it (Note [Recentred key biases])."""
-
-    @classmethod
-    def build(
-        cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
-        branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0, band=None, documents=None, recentred=False,
-    ):  # fmt: skip
-        pieces = world * shard_parts(layout)
-        if world > 1 and n % pieces:
-            raise ValueError(
-                f"a sequence of {n} tokens cannot be cut into {pieces} equal "
-                f"{'chunks' if layout == 'zigzag' else 'shards'} ({world} ranks, layout={layout!r})"
-            )
-        plans = tuple(
-            plan_branch(
-                w, r, n_global=n, world=world, rank=rank, layout=layout, is_causal=is_causal,
-                batch=batch, hq=hq, hkv=hkv,
-            )  # fmt: skip
-            for w, r in branches
-        )
-        ranks = global_ranks(group_name) if group_name else tuple(range(world))
-        return cls(
-            site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
-            world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band, documents,
-            recentred and has_mask,
-        )  # fmt: skip
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """What the blocks compute in: the device's block kernel says (``kernels.py``)."""
-        return block_kernel(self.device).compute_dtype(self.dtype)
-
-    @property
-    def stat_dtype(self) -> torch.dtype:
-        """What lse, merges and gradient sums are kept in (``numerics.stat_dtype``)."""
-        return stat_dtype(self.dtype)
-
-    @property
-    def n_local(self) -> int:
-        return self.n // self.world
-
-    @property
-    def replicated(self) -> bool:
-        """Replicated mode across ranks: every rank holds the whole sequence, so the site takes
-        its rank's shard of the inputs and gathers its outputs (and gradients) whole again."""
-        return self.world > 1 and self.sharding == "replicated"
-
-    def head_chunks(self, branch: BranchPlan) -> int:
-        """How many head chunks a ring branch runs in, one after another (Note [Head chunks]):
-        the most that divide its dilated kv heads and keep each K/V message >= 1 MiB."""
-        layout = branch.layout
-        if branch.is_local:
-            return 1
-        message = layout.batch * layout.nseg * layout.kv_heads * layout.m * (self.d + self.dv)
-        message *= torch.empty((), dtype=self.dtype).element_size()
-        fits = [g for g in range(1, layout.kv_heads + 1) if layout.kv_heads % g == 0]
-        return max(g for g in fits if g == 1 or message // g >= RING_CHUNK_BYTES)
-
-    def local_chunks(self) -> list[tuple[slice, slice]]:
-        """Query-head and kv-head slices of the head chunks the local branches' backward runs in
-        (Note [Head chunks of local branches]): the fewest, of whole kv heads, whose working set
-        fits in ``max(LOCAL_CHUNK_BYTES, q)``; one chunk with dropout (a block's keep-mask is
-        drawn over all its heads)."""
-        local = [b.layout for b in self.branches if b.is_local]
-        if not local or self.dropout or self.local_in_place:
-            return [(slice(0, self.hq), slice(0, self.hkv))]
-        item = torch.empty((), dtype=self.compute_dtype).element_size()
-        budget = max(LOCAL_CHUNK_BYTES, self.batch * self.hq * self.n_local * self.d * item)
-        grads, work = 0, 0  # per query head: every branch's gradients; the largest branch's work
-        for layout in local:
-            rows = self.batch * layout.padded // layout.r
-            kv = rows * layout.kv_heads // self.hq
-            grads += rows * self.d + kv * (self.d + self.dv)
-            gathered = layout.r > 1 or layout.padded != layout.n
-            copies = rows * (self.d + 2 * self.dv) + kv * (self.d + self.dv) if gathered else 0
-            work = max(work, copies + max(rows * self.d, kv * max(self.d, self.dv)))
-        g = self.hq // self.hkv
-        sizes = [c for c in range(self.hkv, 0, -1) if self.hkv % c == 0]  # kv heads a chunk
-        kc = next((c for c in sizes if (grads + work) * c * g * item <= budget), sizes[-1])
-        return [
-            (slice(j * kc * g, (j + 1) * kc * g), slice(j * kc, (j + 1) * kc)) for j in range(self.hkv // kc)
-        ]
-
-    @property
-    def local_in_place(self) -> bool:
-        """Whether the local branches read their rows where they lie, forward and backward, and
-        add their gradients straight into the site's (Note [Local branches in place]): float32
-        on CPU with ``flash_cpu.c`` built, no bias, band, documents or dropout, no padding."""
-        local = [b for b in self.branches if b.is_local]
-        if not local or self.dtype != torch.float32 or self.device != "cpu" or self.dropout:
-            return False
-        if self.band is not None or self.documents or self.pad:
-            return False
-        if any(self.needs_bias(b) or not b.layout.in_place for b in local):
-            return False
-        return cpu_kernel.available()
-
-    def program(self, graph: str, folded: bool = False) -> Program:
-        """What ``site_forward`` (``graph="forward"``) or ``site_backward`` does on this rank,
-        step by step (Note [The site program] in ``program.py``), or ``folded`` for counting;
-        built once per plan."""
-        programs = self.__dict__.setdefault("_programs", {})  # not a field: equal plans stay equal
-        if (graph, folded) not in programs:
-            programs[(graph, folded)] = build(self, graph, folded=folded)
-        return programs[(graph, folded)]
-
-    @property
-    def forward_program(self) -> Program:
-        return self.program("forward")
-
-    @property
-    def backward_program(self) -> Program:
-        return self.program("backward")
-
-    def needs_bias(self, branch: BranchPlan) -> bool:
-        # Padded keys sit after every real query, so causal attention never sees them.
-        padded = self.pad or branch.layout.padded != branch.layout.n
-        return self.has_mask or (padded and not self.is_causal)
 
 
 # ---- small pieces ------------------------------------------------------------------------------
@@ -796,7 +586,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     program] in ``program.py``)."""
     rotater = Rotater(plan.group_name, token)
     run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, real=real), seed)
-    for step in plan.forward_program.steps:
+    for step in build(plan, "forward").steps:
         run.run(step)
     out = run.gathered if plan.replicated else run.out
     with role("p2p"):
@@ -1131,7 +921,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
     run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout, real), out, lse, seed)
-    for step in plan.backward_program.steps:
+    for step in build(plan, "backward").steps:
         run.run(step)
     with role("p2p"):
         rotater.close(run.grads)

@@ -28,7 +28,7 @@ count of real positions in a sequence padded to a length bucket, only the blocks
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls])
 and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back, in place (Note
 [Gradient sums as calls]). ``after(x, deps)`` and ``write_heads(total, x, start)`` order the
-local branches' gradient sums (Note [Head chunks of local branches] in ``attention.py``);
+local branches' gradient sums (Note [Head chunks of local branches] in ``site_plan.py``);
 ``add_rows(total, x, start, rows, dtype)`` sums a ring step's gradients (Note [Gradient sums of a
 ring step] in ``attention.py``).
 
@@ -288,7 +288,7 @@ def _(x, deps):
 def write_heads(total: torch.Tensor, x: torch.Tensor, start: int) -> None:
     """``x`` copied into heads ``[start, start + x.shape[1])`` (dim 1) of ``total``, in place:
     a chunk's result lands in the site's result without a concatenation that would hold every
-    chunk's (Note [Head chunks of local branches] in ``attention.py``)."""
+    chunk's (Note [Head chunks of local branches] in ``site_plan.py``)."""
     total.narrow(1, start, x.shape[1]).copy_(x)
 
 

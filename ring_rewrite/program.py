@@ -2,7 +2,7 @@
 
 Note [The site program]
 ~~~~~~~~~~~~~~~~~~~~~~~
-``SitePlan.forward_program`` and ``SitePlan.backward_program`` list, once per plan, what a site
+``build(plan, "forward")`` and ``build(plan, "backward")`` list, once per plan, what a site
 call does on this rank, one typed step at a time, with their sizes; ``site_forward`` and
 ``site_backward`` (``attention.py``) run them, a method per step type, so the order of the
 transfers and blocks is written here alone:
@@ -23,12 +23,12 @@ transfers and blocks is written here alone:
 What a band or documents mean for a block is decided here (``_block``) and nowhere else: the
 bodies skip the blocks marked ``skip`` and hand a ``partial`` block's positions to its kernel;
 how local branches run (in place, gathered, in head chunks) is which steps the program lists.
-``print(plan.forward_program)`` shows a program, one line a step. ``tests/test_program.py``
+``print(record.forward_program)`` (a ``SiteRecord``'s) shows a program, one line a step. ``tests/test_program.py``
 checks that it lists exactly the transfers, in order, and the block calls that the traced
 bodies issue, on every rank.
 
 The report's FLOPs and bytes sum a program's blocks and transfers (``report.py``), folded:
-``SitePlan.program(graph, folded=True)`` lists each ring's transfers of a kind once and its
+``build(plan, graph, folded=True)`` lists each ring's transfers of a kind once and its
 equal blocks once, each with how many times it runs (``times``). The counts are the same (head
 chunks are equal slices, every hop of a ring sends the same); the steps are about ``1 / (ring
 size x head chunks)`` as many, which lets ``ring_rewrite.plan`` build every rank's of a billion
@@ -61,9 +61,8 @@ from .p2p import DKV, GATHER, KV, KV_BACK, Tag
 from .schedule import shard_parts
 
 if TYPE_CHECKING:
-    from .attention import SitePlan
-    from .schedule import BranchPlan
-    from .schedule import Parts
+    from .schedule import BranchPlan, Parts
+    from .site_plan import SitePlan
 
 __all__ = [
     "Block", "Cast", "Chunk", "Dilate", "Gather", "Land", "Merge", "Program", "Start", "Undilate", "Wait", "build",
@@ -375,13 +374,21 @@ class Program:
 
 
 def build(plan: SitePlan, graph: str, *, folded: bool = False) -> Program:
-    """The ``"forward"`` or ``"backward"`` program of ``plan``.
+    """The ``"forward"`` or ``"backward"`` program of ``plan``: what ``site_forward`` or
+    ``site_backward`` does on this rank, step by step; built once per plan.
 
     ``folded``: each ring's transfers of a kind listed once, and its blocks for the first head
     chunk, each with how many times it runs (``times``): the same counts (FLOPs, bytes, the
     largest message) in about ``1 / (ring size x head chunks)`` of the steps, not in the body's
     order. The report counts these, so ``ring_rewrite.plan`` builds every rank's at any scale.
     """
+    programs = plan.__dict__.setdefault("_programs", {})  # not a field: equal plans stay equal
+    if (graph, folded) not in programs:
+        programs[(graph, folded)] = _build(plan, graph, folded)
+    return programs[(graph, folded)]
+
+
+def _build(plan: SitePlan, graph: str, folded: bool) -> Program:
     steps = _forward(plan, folded) if graph == "forward" else _backward(plan, folded)
     title = f"site {plan.site} {graph}"
     if plan.world > 1:

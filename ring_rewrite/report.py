@@ -80,12 +80,12 @@ import torch
 from tabulate import tabulate
 
 from . import cpu_choice, cpu_kernel
-from .attention import SitePlan
+from .site_plan import SitePlan
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
 from .kernels import DROPOUT_CHUNK
 from .ops import BAND_CHUNK
-from .program import Block
+from .program import Block, build
 
 __all__ = [
     "Report", "explain", "attention_flops", "attention_memory_bytes", "branch_bytes_sent", "branch_flops",
@@ -100,7 +100,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 def _counted(plan: SitePlan, graph: str):
     """The plan's program folded for counting (``program.build``), so that ``plan()`` can count
     every rank's at any scale."""
-    return plan.program(graph, folded=True)
+    return build(plan, graph, folded=True)
 
 
 def attention_flops(plan: SitePlan) -> int:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from tabulate import tabulate
 
-from .attention import SitePlan
+from .site_plan import SitePlan
 from .config import RingDilatedConfig
 from .report import attention_memory_bytes, branch_bytes_sent, branch_flops
 

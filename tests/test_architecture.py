@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = {
     "attention", "config", "cpu_choice", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "numerics",
-    "ops", "p2p", "program", "reference", "roles", "schedule",
+    "ops", "p2p", "program", "reference", "roles", "schedule", "site_plan",
 }  # fmt: skip
 FRONT = {
     "__init__", "backend", "cache", "hf", "inductor_fixes", "recompiles", "report", "scale", "testing", "pytest_plugin",
@@ -84,6 +84,35 @@ def test_imports_go_one_way(module):
         other = _layer_of(target)
         assert other is not None, f"{module} imports unknown {target}"
         assert LAYERS[other] <= LAYERS[layer], f"{module} ({layer}) imports {target} ({other})"
+
+
+def _project_imports(module: str) -> set[str]:
+    """The project modules ``module`` imports (a name taken from a module: that module)."""
+    found = set()
+    for target, _ in _imports(module, MODULES[module][1]):
+        while target and target not in MODULES:
+            target = target.rpartition(".")[0]
+        if target and target != module:
+            found.add(target)
+    return found
+
+
+def test_no_import_circles():
+    """No module reaches itself through what it imports (type-checking imports included): each
+    can be read, and tested, from the ones it stands on."""
+    graph = {m: _project_imports(m) for m in MODULES}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError(" -> ".join(path[path.index(module) :] + [module]))
+        if module not in done:
+            for other in sorted(graph[module]):
+                visit(other, path + [module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
 
 
 @pytest.mark.parametrize("module", sorted(m for m, (layer, _) in MODULES.items() if layer != "passes"))

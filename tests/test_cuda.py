@@ -147,9 +147,9 @@ def test_float32_matches_reference(compiler, config, shape, is_causal, request):
 def test_local_branches_in_head_chunks(compiler, shape, monkeypatch, request):
     """The local branches' backward one kv head at a time (Note [Head chunks of local branches]):
     its ordering and in-place writes on the GPU."""
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
-    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+    monkeypatch.setattr(site_plan, "LOCAL_CHUNK_BYTES", 1)
     batch, hq, hkv, n, d, dv, scale = SHAPES[shape]
     q, k, v = _inputs(batch, hq, hkv, n, d, dv)
     dout = torch.randn(batch, hq, n, dv)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ring_rewrite import kernels
-from ring_rewrite.attention import SitePlan
+from ring_rewrite.site_plan import SitePlan
 
 from conftest import Capture
 

@@ -273,11 +273,11 @@ SINGLE = {
 @pytest.mark.parametrize("variant", SINGLE.values(), ids=SINGLE.keys())
 def test_one_device(variant, monkeypatch):
     import ring_rewrite
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
     config, n, is_causal, dtype, masked, chunk_bytes = variant
     if chunk_bytes is not None:
-        monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(site_plan, "LOCAL_CHUNK_BYTES", chunk_bytes)
     seg, rates = config or (None, None)
     backend = ring_rewrite.backend(segment_lengths=seg, dilation_rates=rates)
 
@@ -312,11 +312,11 @@ RING = {
 
 def _ring_cases(rank, world):
     import ring_rewrite
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
     problems = []
     for name, (seg, rates, is_causal, layout, masked, chunk_bytes) in RING.items():
-        attention.RING_CHUNK_BYTES = chunk_bytes or (1 << 20)  # this rank's process only
+        site_plan.RING_CHUNK_BYTES = chunk_bytes or (1 << 20)  # this rank's process only
         torch._dynamo.reset()
         torch.manual_seed(0)
         backend = ring_rewrite.backend(segment_lengths=seg, dilation_rates=rates, layout=layout)

@@ -157,9 +157,9 @@ def test_local_branches_in_head_chunks(config, shape, is_causal, mask, compiler,
     """The local branches' backward runs one chunk of whole kv heads at a time, each chunk's sums
     written into the site's gradients before the next computes (Note [Head chunks of local
     branches]): here as many chunks as kv heads."""
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
-    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+    monkeypatch.setattr(site_plan, "LOCAL_CHUNK_BYTES", 1)
     batch, hq, hkv, n, d, dv, scale = shape
     q, k, v = _inputs(batch, hq, hkv, n, d, dv)
     dout = torch.randn(batch, hq, n, dv)
@@ -175,14 +175,14 @@ def test_local_head_chunks_in_bf16_are_cast_once(compiler, monkeypatch):
     """In bf16 a chunk's sums (float32) are cast once into the site's gradients
     (``ops.write_heads``); in float32 they add up in the site's gradients in place. Chunked or
     not, the gradients are the same sums rounded once."""
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
     batch, hq, hkv, n, d = 2, 4, 2, 100, 16
     q, k, v = _inputs(batch, hq, hkv, n, d, d, dtype=torch.bfloat16)
     dout = torch.randn(batch, hq, n, d, dtype=torch.bfloat16)
     got = {}
     for chunk_bytes in (1 << 30, 1):
-        monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(site_plan, "LOCAL_CHUNK_BYTES", chunk_bytes)
         torch._dynamo.reset()
         counters.clear()
         fn = _compile(CONFIGS["longnet"], compiler, is_causal=True, enable_gqa=True)
@@ -196,16 +196,16 @@ def test_local_head_chunks_in_bf16_are_cast_once(compiler, monkeypatch):
 
 
 def test_local_chunks_are_whole_kv_heads_and_one_with_dropout(monkeypatch):
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
-    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+    monkeypatch.setattr(site_plan, "LOCAL_CHUNK_BYTES", 1)
     kwargs = dict(batch=1, hq=6, hkv=2, n=64, d=8, dv=8, dtype=torch.float32, scale=0.3,
                   is_causal=True, has_mask=False, branches=((16, 1), (64, 2)))  # fmt: skip
-    plan = attention.SitePlan.build(**kwargs)
+    plan = site_plan.SitePlan.build(**kwargs)
     assert plan.local_chunks() == [(slice(0, 3), slice(0, 1)), (slice(3, 6), slice(1, 2))]
     whole = [(slice(0, 6), slice(0, 2))]
-    assert attention.SitePlan.build(**kwargs, dropout=0.1).local_chunks() == whole
-    monkeypatch.setattr(attention, "LOCAL_CHUNK_BYTES", 1 << 30)
+    assert site_plan.SitePlan.build(**kwargs, dropout=0.1).local_chunks() == whole
+    monkeypatch.setattr(site_plan, "LOCAL_CHUNK_BYTES", 1 << 30)
     assert plan.local_chunks() == whole
 
 

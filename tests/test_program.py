@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ring_rewrite import attention, testing
-from ring_rewrite.attention import SitePlan
+from ring_rewrite import site_plan, testing
+from ring_rewrite.site_plan import SitePlan
 from ring_rewrite.p2p import DKV, KV, KV_BACK
-from ring_rewrite.program import Block, Start, Wait
+from ring_rewrite.program import Block, Start, Wait, build
 from ring_rewrite.testing import capture_ranks, site_body
 
 WINDOW = 6
@@ -53,8 +53,8 @@ def captured(request):
         return [q, *(torch.randn(1, hkv, tokens, 8, requires_grad=True) for _ in range(2))]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention, "RING_CHUNK_BYTES", 1)
-        patch.setattr(attention, "LOCAL_CHUNK_BYTES", 1)
+        patch.setattr(site_plan, "RING_CHUNK_BYTES", 1)
+        patch.setattr(site_plan, "LOCAL_CHUNK_BYTES", 1)
         return capture_ranks(attend, inputs, world=world, fullgraph=True, **config)
 
 
@@ -63,7 +63,7 @@ def test_the_program_lists_every_transfer_the_graphs_issue_in_order(captured):
     for cap in captured:
         (record,) = cap.records
         plan = record.plan
-        for graph, program in (("forward", plan.forward_program), ("backward", plan.backward_program)):
+        for graph, program in (("forward", build(plan, "forward")), ("backward", build(plan, "backward"))):
             issued = [t for t in cap.schedule() if t.graph == graph]
             assert testing.planned_transfers(plan, graph) == issued, f"rank {plan.rank} {graph}:\n{program}"
             kinds |= {t.tag.kind for t in program.transfers() if isinstance(t, Start)}
@@ -99,7 +99,7 @@ def test_the_program_lists_every_block_the_bodies_call_in_order(captured):
         (record,) = cap.records
         plan = record.plan
         (gm,) = cap.after
-        for which, program in (("fwd", plan.forward_program), ("bwd", plan.backward_program)):
+        for which, program in (("fwd", build(plan, "forward")), ("bwd", build(plan, "backward"))):
             planned = [(b.branch, b.step) for b in program.blocks() if b.kind != "skip"]
             assert planned == _block_calls(site_body(gm, 0, which)), f"rank {plan.rank}:\n{program}"
             kinds |= {b.kind for b in program.blocks()}
@@ -143,8 +143,8 @@ def test_a_band_skips_blocks_the_window_never_reaches_and_the_report_counts_none
 
     whole = SitePlan.build(world=4, rank=3, **SITE)
     window = SitePlan.build(world=4, rank=3, **SITE, band=(-300, None))
-    blocks = window.forward_program.blocks()
-    assert [b.parts for b in blocks] == [b.parts for b in whole.forward_program.blocks()]
+    blocks = build(window, "forward").blocks()
+    assert [b.parts for b in blocks] == [b.parts for b in build(whole, "forward").blocks()]
     skipped = [b for b in blocks if b.kind == "skip"]
     partial = [b for b in blocks if b.kind == "partial"]
     assert skipped and partial and all(b.band == (-300, None) for b in partial)
@@ -158,14 +158,14 @@ def test_a_band_skips_blocks_the_window_never_reaches_and_the_report_counts_none
 
 def test_a_program_prints_one_line_a_step():
     plan = SitePlan.build(world=4, rank=2, **SITE, band=(-300, None))
-    for program in (plan.forward_program, plan.backward_program):
+    for program in (build(plan, "forward"), build(plan, "backward")):
         lines = str(program).splitlines()
         assert lines[0] == f"site 0 {program.graph}, rank 2 of 4 (sharded, zigzag)"
         assert len(lines) == len(program.steps) + 1
-    text = str(plan.forward_program)
+    text = str(build(plan, "forward"))
     assert "start     b2 s0 c0  K/V  k 1x8x256x16 bf16,v 1x8x256x16 bf16 to 3 from 1" in text
     assert "skip" in text and "partial band -300,open" in text
-    assert isinstance(plan.forward_program.block(2, 0, 1, 0), Block)
+    assert isinstance(build(plan, "forward").block(2, 0, 1, 0), Block)
 
 
 def test_the_program_in_the_architecture_doc_is_what_prints():
@@ -177,7 +177,7 @@ def test_the_program_in_the_architecture_doc_is_what_prints():
         batch=1, hq=2, hkv=2, n=64, d=8, dv=8, dtype=torch.float32, scale=0.35, is_causal=True, has_mask=False,
         branches=((16, 1), (64, 2)), world=2, rank=0, layout="zigzag", sharding="sharded", band=(-7, None),
     )  # fmt: skip
-    assert shown == f"{plan.forward_program}\n{plan.backward_program}\n"
+    assert shown == f"{build(plan, 'forward')}\n{build(plan, 'backward')}\n"
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -189,7 +189,7 @@ def test_a_folded_program_counts_what_the_program_does(layout, band):
         site = {**SITE, "layout": layout, "sharding": sharding, "band": band, "is_causal": band is None or band[1] is None}
         for plan in _plans(4, **site):
             for graph in ("forward", "backward"):
-                full, folded = plan.program(graph), plan.program(graph, folded=True)
+                full, folded = build(plan, graph), build(plan, graph, folded=True)
                 assert len(folded.steps) < len(full.steps)
                 for branch in (None, *range(len(plan.branches))):
                     counts = [(p.flops(branch), p.bytes_sent(branch), p.largest_message(branch)) for p in (full, folded)]

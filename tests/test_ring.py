@@ -83,10 +83,10 @@ def _key_padding(kind: str, hq: int, n: int) -> torch.Tensor:
 
 def _cases(rank, world, cases, compiler, chunk_bytes=None):
     if chunk_bytes is not None:
-        from ring_rewrite import attention
+        from ring_rewrite import site_plan
 
-        attention.RING_CHUNK_BYTES = chunk_bytes  # this rank's process only
-        attention.LOCAL_CHUNK_BYTES = chunk_bytes
+        site_plan.RING_CHUNK_BYTES = chunk_bytes  # this rank's process only
+        site_plan.LOCAL_CHUNK_BYTES = chunk_bytes
     for case in cases:
         plan = _case(rank, world, case, compiler)
         if chunk_bytes is not None:

@@ -172,9 +172,9 @@ def test_each_transfer_starts_before_the_compute_it_overlaps_and_ends_after(per_
 def test_each_head_chunks_last_hop_home_overlaps_the_next_chunks_compute(monkeypatch):
     # Note [Head chunks]: with every kv head its own chunk, chunk c's dK/dV travel home while
     # chunk c + 1 computes; only the last chunk's last hop has no compute inside it.
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
-    monkeypatch.setattr(attention, "RING_CHUNK_BYTES", 1)
+    monkeypatch.setattr(site_plan, "RING_CHUNK_BYTES", 1)
     start, wait = torch.ops.ring_rewrite.ring_shift_start, torch.ops.ring_rewrite.ring_shift_wait
     backward_block = torch.ops.ring_rewrite.block_attention_backward
 
@@ -229,7 +229,7 @@ def generated_code(request) -> tuple[list[str], list[tuple[int, int]], int]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ring_rewrite import attention
+    from ring_rewrite import site_plan
 
     config, (hq, hkv), n, causal = INDUCTOR_CASES[request.param]
     q = torch.randn(1, hq, n, 8, requires_grad=True)
@@ -244,7 +244,7 @@ def generated_code(request) -> tuple[list[str], list[tuple[int, int]], int]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(attention, "RING_CHUNK_BYTES", 1)
+            patch.setattr(site_plan, "RING_CHUNK_BYTES", 1)
             _, codes = testing.inductor_code(lambda: attend(q, k, v).sum().backward())
             (record,) = backend.records
             plan = record.plan

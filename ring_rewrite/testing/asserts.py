@@ -10,6 +10,7 @@ import torch.fx as fx
 from ..backend import RingDilatedBackend
 from ..passes import location
 from ..report import Report
+from ..site_plan import SitePlan
 from .capture import Capture, capture_ranks
 from .graphs import op_label, walk
 from .schedule import first_difference, planned_transfers, schedule_table, unpaired
@@ -214,7 +215,7 @@ def assert_same_p2p_schedule(
         if inputs is None:
             raise TypeError("assert_same_p2p_schedule needs the model's inputs (or a list of captures)")
         captures = capture_ranks(model, inputs, world=world, backward=backward, **config)
-    plans = all(hasattr(c, "forward_program") for c in captures)
+    plans = all(isinstance(c, SitePlan) for c in captures)
     if plans:
         schedules = [planned_transfers(p, "forward") + planned_transfers(p, "backward") for p in captures]
     else:

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
-from ..program import Start
+from ..program import Start, build
 from .graphs import callable_label, walk
 
 __all__ = ["Transfer", "planned_transfers", "transfers"]
@@ -146,8 +146,8 @@ def transfers(graphs: fx.GraphModule | Iterable[fx.GraphModule], graph: str = "f
 def planned_transfers(plan: Any, graph: str = "forward") -> list[Transfer]:
     """The ring transfers a site's program lists, in order, without compiling anything.
 
-    Read from ``plan.forward_program`` or ``plan.backward_program`` (Note [The site program] in
-    ``ring_rewrite/program.py``), which list exactly what the traced bodies issue: the same
+    Read from the plan's program (``ring_rewrite.program.build``, Note [The site program]), which
+    lists exactly what the traced bodies issue: the same
     ``Transfer`` values ``transfers`` reads from the graphs, shapes and dtypes included. Compare
     the plans of every rank (``SitePlan.build(..., rank=r)``) to check a schedule at any size.
 
@@ -164,7 +164,7 @@ def planned_transfers(plan: Any, graph: str = "forward") -> list[Transfer]:
         schedules = [planned_transfers(p, "backward") for p in plans]
         assert all(s == schedules[0] for s in schedules)  # peers aside: compare .key
     """
-    program = plan.forward_program if graph == "forward" else plan.backward_program
+    program = build(plan, graph)
     found = []
     for t in program.transfers():
         if isinstance(t, Start):
