@@ -233,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         "seq": opts.seq, "layout": opts.layout, "compiler": opts.compiler,
         "segment_lengths": segments, "dilation_rates": rates,
     }  # fmt: skip
+    from ring_rewrite.layout import layout_of
+
     for world in opts.ranks:
-        pieces = world * (2 if opts.layout == "zigzag" else 1)
+        pieces = world * layout_of(opts.layout).parts
         if opts.seq % pieces:
             parser.error(f"N = {opts.seq} is not divisible by {pieces} (P = {world}, layout {opts.layout})")
 

@@ -22,7 +22,7 @@ from xml.sax.saxutils import escape
 import torch
 
 import ring_rewrite
-from ring_rewrite.schedule import shard_parts
+from ring_rewrite.layout import layout_of
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,7 +76,7 @@ def ring_schedule_svg() -> str:
     )  # fmt: skip
     plans = scale.plans  # one SitePlan per rank
     n_branches = len(plans[0].branches)
-    parts = shard_parts(LAYOUT)
+    parts = layout_of(LAYOUT).parts
     part = CELL / parts
     columns = [max(len(p.branches[i].steps) for p in plans) for i in range(n_branches)]
     panels = [max(c * COL, PANEL_MIN) for c in columns]

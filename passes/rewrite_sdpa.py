@@ -71,7 +71,7 @@ from torch._functorch.autograd_function import autograd_function_apply
 from ring_rewrite.attention import site_backward, site_forward
 from ring_rewrite.site_plan import SitePlan
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.layout import assemble
+from ring_rewrite.layout import assemble, layout_of
 from ring_rewrite.numerics import masked_fills
 from ring_rewrite.layout import positions as shard_positions
 from ring_rewrite.p2p import (
@@ -218,7 +218,7 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
     except ValueError as error:
         if config.sharding == "sharded" or world == 1:
             raise
-        step = world * (2 if config.layout == "zigzag" else 1)
+        step = world * layout_of(config.layout).parts
         for padded in range(n + step - n % step, _MAX_PADDING * n + step, step):
             try:
                 return build(group, world, rank, pad=padded - n), None

@@ -24,7 +24,7 @@ import transformers
 
 from .backend import backend as make_backend
 from .config import RingDilatedConfig
-from .layout import shard_batch, unshard
+from .layout import layout_of, shard_batch, unshard
 
 __all__ = ["RingTrainer", "ring_trainer"]
 
@@ -156,7 +156,7 @@ class _RingMixin:
         self._layout = fields["layout"]
         rates = fields.get("dilation_rates") or (1,)
         # Each shard must hold whole lattices of every branch's rate.
-        self._multiple_of = self._cp * (2 if self._layout == "zigzag" else 1) * math.lcm(*rates)
+        self._multiple_of = self._cp * layout_of(self._layout).parts * math.lcm(*rates)
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
 

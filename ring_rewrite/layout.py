@@ -1,7 +1,13 @@
 """Sequence layouts across ranks: cut a sequence into this rank's shard and put it back.
 
-``layout="contiguous"``: rank k holds tokens ``[kN/P, (k+1)N/P)``. ``layout="zigzag"``: the sequence
-is cut into 2P chunks and rank k holds chunks k and 2P-1-k (balances causal work).
+A layout cuts a sequence of N tokens into ``P * parts`` equal chunks and names the chunks each
+rank holds, in order (``Layout.chunks``): ``"contiguous"``, rank k holds chunk k, tokens
+``[kN/P, (k+1)N/P)``; ``"zigzag"``, rank k holds chunks k and 2P-1-k of 2P (balances causal
+work). Everything else follows from that one method, here alone: the size of a chunk and the
+check that N cuts evenly, where a rank's chunks start, a rank's tokens of a tensor (``take``), the
+whole from every rank's (``assemble``), positions. The site plan, the schedule, the program,
+the rewrite, ``shard_batch`` and ``prefill`` ask ``layout_of(name)``; a new layout is one class.
+
 ``shard`` / ``unshard`` are inverses; ``take_shard`` / ``assemble`` are their static, traceable
 cores (ranks and sizes as ints) used inside rewritten graphs. ``shard_batch`` cuts a whole batch
 as a data loader hands it to a Hugging Face model (Note [A batch across ranks]).
@@ -17,40 +23,93 @@ import torch
 
 from .p2p import resolve_group
 
-__all__ = ["shard", "shard_batch", "unshard", "take_shard", "assemble", "positions"]
+__all__ = [
+    "LAYOUTS", "Layout", "assemble", "layout_of", "positions", "shard", "shard_batch", "take_shard", "unshard",
+]  # fmt: skip
 
-LAYOUTS = ("contiguous", "zigzag")
+
+class Layout:
+    """How a sequence is cut across ranks: ``world * parts`` equal chunks, rank ``rank`` holding
+    ``chunks(rank, world)`` one after another."""
+
+    name = ""
+    parts = 1
+    """Chunks per rank."""
+
+    def chunks(self, rank: int, world: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def chunk_size(self, n: int, world: int) -> int:
+        """Tokens per chunk of a sequence of ``n``; raises ValueError where ``n`` does not cut
+        into equal chunks."""
+        pieces = world * self.parts
+        if n % pieces:
+            raise ValueError(
+                f"a sequence of {n} tokens cannot be cut into {pieces} equal "
+                f"{'chunks' if self.parts > 1 else 'shards'} ({world} ranks, layout={self.name!r})"
+            )
+        return n // pieces
+
+    def starts(self, n: int, world: int, rank: int) -> tuple[int, ...]:
+        """The position of the first token of each chunk ``rank`` holds."""
+        size = self.chunk_size(n, world)
+        return tuple(c * size for c in self.chunks(rank, world))
+
+    def take(self, x: torch.Tensor, dim: int, n: int, world: int, rank: int) -> torch.Tensor:
+        """This rank's tokens of ``x`` (``n`` tokens along ``dim``): a view for one chunk."""
+        size = self.chunk_size(n, world)
+        pieces = [x.narrow(dim, start, size) for start in self.starts(n, world, rank)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    def assemble(self, gathered: torch.Tensor, dim: int, n_local: int, world: int) -> torch.Tensor:
+        """The inverse of ``take`` over all ranks: ``gathered`` stacks every rank's tokens on
+        dim 0 (so ``dim`` of a rank's is ``dim`` of ``gathered[rank]``)."""
+        size = n_local // self.parts
+        held = {c: (rank, slot) for rank in range(world) for slot, c in enumerate(self.chunks(rank, world))}
+        pieces = []
+        for c in range(world * self.parts):
+            rank, slot = held[c]
+            x = gathered[rank]
+            pieces.append(x if self.parts == 1 else x.narrow(dim, slot * size, size))
+        return torch.cat(pieces, dim)
+
+    def __repr__(self) -> str:
+        return f"layout {self.name!r}"
 
 
-def _check(n: int, world: int, layout: str) -> int:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    pieces = world * (2 if layout == "zigzag" else 1)
-    if n % pieces:
-        raise ValueError(
-            f"a sequence of {n} tokens cannot be cut into {pieces} equal "
-            f"{'chunks' if layout == 'zigzag' else 'shards'} ({world} ranks, layout={layout!r})"
-        )
-    return n // pieces
+class Contiguous(Layout):
+    name = "contiguous"
+
+    def chunks(self, rank: int, world: int) -> tuple[int, ...]:
+        return (rank,)
+
+
+class Zigzag(Layout):
+    name = "zigzag"
+    parts = 2
+
+    def chunks(self, rank: int, world: int) -> tuple[int, ...]:
+        return (rank, 2 * world - 1 - rank)
+
+
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Contiguous(), Zigzag())}
+
+
+def layout_of(name: str) -> Layout:
+    """The layout named ``name`` (the backend's ``layout``); raises ValueError for another name."""
+    if name not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {name!r}")
+    return LAYOUTS[name]
 
 
 def take_shard(x: torch.Tensor, dim: int, n: int, *, world: int, rank: int, layout: str) -> torch.Tensor:
     """This rank's tokens of ``x`` (``n`` tokens along ``dim``)."""
-    size = _check(n, world, layout)
-    if layout == "contiguous":
-        return x.narrow(dim, rank * size, size)
-    return torch.cat([x.narrow(dim, rank * size, size), x.narrow(dim, (2 * world - 1 - rank) * size, size)], dim)
+    return layout_of(layout).take(x, dim, n, world, rank)
 
 
 def assemble(gathered: torch.Tensor, dim: int, n_local: int, *, world: int, layout: str) -> torch.Tensor:
     """Inverse of ``take_shard`` over all ranks: ``gathered`` stacks every rank's shard on dim 0."""
-    shards = [gathered[i] for i in range(world)]
-    if layout == "contiguous":
-        return torch.cat(shards, dim)
-    half = n_local // 2
-    firsts = [x.narrow(dim, 0, half) for x in shards]
-    seconds = [x.narrow(dim, half, half) for x in reversed(shards)]
-    return torch.cat(firsts + seconds, dim)
+    return layout_of(layout).assemble(gathered, dim, n_local, world)
 
 
 def positions(n: int, *, world: int, rank: int, layout: str, device=None) -> torch.Tensor:
@@ -270,9 +329,9 @@ def shard_batch(
     if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
         raise ValueError("shard_batch: the batch needs input_ids (B, N) or inputs_embeds (B, N, D)")
     b, n = ids.shape[:2]
-    pieces = world * (2 if layout == "zigzag" else 1)
     if layout not in LAYOUTS:
-        raise ValueError(f"shard_batch: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"shard_batch: layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+    pieces = world * LAYOUTS[layout].parts
     if multiple_of < 1:
         raise ValueError(f"shard_batch: multiple_of must be at least 1, got {multiple_of}")
     length = 1 << max(n - 1, 0).bit_length() if buckets else n

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from .p2p import DKV, GATHER, KV, KV_BACK, Tag
-from .schedule import shard_parts
+from .layout import layout_of
 
 if TYPE_CHECKING:
     from .schedule import BranchPlan, Parts
@@ -620,11 +620,7 @@ def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> tuple[int, 
     if branch.is_local:
         return (0,)
     rank = plan.rank if step is None else branch.ring[(branch.position - step) % len(branch.ring)]
-    parts = shard_parts(plan.layout)
-    size = plan.n_local // parts
-    if parts == 1:
-        return (rank * size,)
-    return (rank * size, (2 * plan.world - 1 - rank) * size)
+    return layout_of(plan.layout).starts(plan.n, plan.world, rank)
 
 
 def _block(

@@ -33,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 
 from .dilation import BranchLayout
+from .layout import layout_of
 
-__all__ = ["Parts", "BranchPlan", "plan_branch", "shard_parts"]
+__all__ = ["Parts", "BranchPlan", "plan_branch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +77,6 @@ class BranchPlan:
         return self.ring[(self.position - 1) % len(self.ring)]
 
 
-def shard_parts(layout: str) -> int:
-    return 2 if layout == "zigzag" else 1
-
-
 def plan_branch(
     w: int,
     r: int,
@@ -99,7 +96,7 @@ def plan_branch(
     if world == 1:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
         return BranchPlan(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
-    parts = shard_parts(layout)
+    parts = layout_of(layout).parts
     part = n_local // parts
     if part % w == 0:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
@@ -113,7 +110,7 @@ def plan_branch(
         size, full = world, True
     elif w % part == 0:
         size, full = w // part, False
-        if layout == "zigzag" and world % size:
+        if parts > 1 and world % size:
             raise ValueError(
                 f"branch (w={w}, r={r}) spans {size} zigzag chunks of {part} tokens; with zigzag "
                 f"that must divide the {world} ranks"

@@ -52,7 +52,8 @@ from . import cpu_kernel
 from .kernels import block_kernel
 from .numerics import stat_dtype
 from .p2p import global_ranks
-from .schedule import BranchPlan, plan_branch, shard_parts
+from .layout import layout_of
+from .schedule import BranchPlan, plan_branch
 
 __all__ = ["LOCAL_CHUNK_BYTES", "RING_CHUNK_BYTES", "SitePlan"]
 
@@ -117,12 +118,8 @@ class SitePlan:
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
         pad=0, dropout=0.0, band=None, documents=None, recentred=False,
     ):  # fmt: skip
-        pieces = world * shard_parts(layout)
-        if world > 1 and n % pieces:
-            raise ValueError(
-                f"a sequence of {n} tokens cannot be cut into {pieces} equal "
-                f"{'chunks' if layout == 'zigzag' else 'shards'} ({world} ranks, layout={layout!r})"
-            )
+        if world > 1:
+            layout_of(layout).chunk_size(n, world)  # raises where n does not cut evenly
         plans = tuple(
             plan_branch(
                 w, r, n_global=n, world=world, rank=rank, layout=layout, is_causal=is_causal,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import ring_rewrite
-from ring_rewrite.layout import assemble
+from ring_rewrite.layout import LAYOUTS, assemble, layout_of
 from ring_rewrite.testing import capture_ranks
 
 
@@ -46,6 +46,26 @@ def _whole(shards: list[dict], key: str, layout: str) -> torch.Tensor:
     """The ranks' ``key`` put back in sequence order."""
     parts = [s[key].expand(shards[0]["input_ids"].shape[0], -1) for s in shards]
     return assemble(torch.stack(parts), 1, parts[0].shape[1], world=len(shards), layout=layout)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_layout_cuts_every_token_to_one_rank_and_puts_it_back(world, layout):
+    lay = layout_of(layout)
+    n = world * lay.parts * 3
+    x = torch.arange(n).view(1, n, 1).expand(2, n, 3)
+    held = [lay.take(x, 1, n, world, rank) for rank in range(world)]
+    for rank, part in enumerate(held):
+        starts = lay.starts(n, world, rank)
+        assert part[0, :: n // (world * lay.parts), 0].tolist() == list(starts), (rank, starts)
+        assert torch.equal(part[0, :, 0], ring_rewrite.positions(n, world=world, rank=rank, layout=layout))
+    assert sorted(torch.cat([p[0, :, 0] for p in held]).tolist()) == list(range(n))
+    assert torch.equal(lay.assemble(torch.stack(held), 1, n // world, world), x)
+    if world > 1:
+        with pytest.raises(ValueError, match="cannot be cut"):
+            lay.take(x[:, :-1], 1, n - 1, world, 0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        layout_of("striped")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
