@@ -42,7 +42,7 @@ a power of two would cost the next power's whole attention. So a causal site wit
 keeps its real length: the padded SDPA node carries the graph node of ``s0`` (meta ``REAL``),
 ``rewrite_sdpa`` gives the site the count as a 0-d tensor input (``real``) in one process, and
 the site's local branches run their kernel on the real rows only: per branch the segments that
-hold real positions, the last cut to each head's real rows (``ops._kernel_calls``; a head's real
+hold real positions, the last cut to each head's real rows (``ops.kernel_calls``; a head's real
 rows are a prefix of its dilated sequence, ``BranchLayout.real_rows``). Causal rows attend no
 later key, so cutting the rows cuts the keys. Where every branch is local and read in place
 (float32 on CPU), no row past ``s0`` is read or written at all, and the site takes the unpadded

@@ -73,6 +73,7 @@ from ring_rewrite.site_plan import SitePlan
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.layout import assemble, layout_of
 from ring_rewrite.numerics import masked_fills
+from ring_rewrite.ops import kernel_pairs
 from ring_rewrite.layout import positions as shard_positions
 from ring_rewrite.p2p import (
     Rotater, check_agreement, checking_transfers, name_sites, resolve_group, ring_group, variant_hash,
@@ -479,7 +480,20 @@ def _rewrite_site(
     if real is None or plan.world != 1:
         return None
     rows = "reads and writes the real rows only" if unpadded is not None else "its in-place branches compute the real rows"
-    return f"a bucket of {plan.n}: {rows}"
+    return f"a bucket of {plan.n}: {rows}{_computed(plan, real)}"
+
+
+def _computed(plan: SitePlan, real: fx.Node) -> str:
+    """What a bucketed site's local branches in place compute at the length it was compiled for
+    (the hint of its symbolic length), as a share of the bucket's query-key pairs."""
+    n = real.meta.get("example_value")
+    n = n.node.hint if isinstance(n, torch.SymInt) else n
+    local = [b.layout for b in plan.branches if b.is_local]
+    if not isinstance(n, int) or not plan.local_in_place or not local:
+        return ""
+    pairs = [(kernel_pairs(lay, n, plan.is_causal), kernel_pairs(lay, None, plan.is_causal)) for lay in local]
+    share = sum(p for p, _ in pairs) / sum(whole for _, whole in pairs)
+    return f"; compiled at {n} positions: {share:.0%} of the bucket's query-key pairs"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,7 @@ from .numerics import mask_floor, stat_dtype
 
 __all__ = [
     "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "dilated_block_attention",
-    "dilated_block_backward", "documents", "undilate_add", "write_heads",
+    "dilated_block_backward", "documents", "kernel_calls", "kernel_pairs", "undilate_add", "write_heads",
 ]  # fmt: skip
 
 
@@ -347,7 +347,7 @@ def _in_place(layout: BranchLayout, *operands: torch.Tensor) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class _KernelCall:
+class KernelCall:
     """One kernel call of a local branch in place: ``segments`` from segment ``first`` on, their
     first ``rows`` rows (and keys), the kernel heads at lattice ``offsets`` (None: all)."""
 
@@ -376,24 +376,35 @@ class _KernelCall:
         return [lay.batch * self.segments, hq, hkv, self.rows, self.rows, q.shape[-1], v.shape[-1]]
 
 
-def _kernel_calls(lay: BranchLayout, real: torch.Tensor | None, is_causal: bool) -> list[_KernelCall]:
+def kernel_calls(lay: BranchLayout, real: torch.Tensor | int | None, is_causal: bool) -> list[KernelCall]:
     """The kernel calls of a local branch in place: every segment whole, or with ``real`` (the
     count of real positions of a causal sequence padded to a length bucket: Note [Padding to a
     bucket] in ``passes/bucket_lengths.py``) the segments that hold real rows, the last cut to
     each head's real rows (and keys: causal rows attend no later key), heads of the same count
     in one call. A row past them is padding and is neither read nor written."""
     if real is None or not is_causal:
-        return [_KernelCall(0, lay.nseg, lay.m)]
+        return [KernelCall(0, lay.nseg, lay.m)]
     whole, parts = lay.real_rows(int(real))
-    calls = [_KernelCall(0, whole, lay.m)] if whole else []
+    calls = [KernelCall(0, whole, lay.m)] if whole else []
     for rows in sorted(set(parts.values())):
         if rows:
             offsets = tuple(o for o, r in parts.items() if r == rows)
-            calls.append(_KernelCall(whole, 1, rows, None if len(offsets) == len(parts) else offsets))
+            calls.append(KernelCall(whole, 1, rows, None if len(offsets) == len(parts) else offsets))
     return calls
 
 
-def _past_real(lay: BranchLayout, calls: list[_KernelCall]) -> int:
+def kernel_pairs(lay: BranchLayout, real: int | None, is_causal: bool) -> int:
+    """Query-key pairs per batch element that ``kernel_calls`` compute (a causal row attends
+    itself and the rows before it)."""
+    total = 0
+    for call in kernel_calls(lay, real, is_causal):
+        heads = lay.hq if call.offsets is None else len(lay.kernel_heads(call.offsets, kv=False))
+        pairs = call.rows * (call.rows + 1) // 2 if is_causal else call.rows * lay.m
+        total += call.segments * heads * pairs
+    return total
+
+
+def _past_real(lay: BranchLayout, calls: list[KernelCall]) -> int:
     """The first position no call computes, at rate 1 (where ``write`` is allowed)."""
     return max(((c.first + c.segments - 1) * lay.seg + c.rows for c in calls), default=0)
 
@@ -408,12 +419,12 @@ def dilated_block_attention(
     Dv)`` and ``lse (B, Hq, n)`` in place: the softmax over the keys of both (``merge_partials``;
     a row of lse ``-inf`` holds none), or with ``write`` written, every position of the layout's
     heads, which then must be all of them (rate 1). ``flash_cpu.c`` reads and writes the rows
-    where they lie (``BranchLayout.lattice``), with ``real`` only the real ones (``_kernel_calls``;
+    where they lie (``BranchLayout.lattice``), with ``real`` only the real ones (``kernel_calls``;
     written rows past them are 0 and ``-inf``); elsewhere they are gathered, attended and
     merged, and written back."""
     lay = BranchLayout(*layout)
     if _in_place(lay, q, k, v, out, lse):
-        calls = _kernel_calls(lay, real, is_causal)
+        calls = kernel_calls(lay, real, is_causal)
         for call in calls:
             views, layouts = call.layouts(lay, (q, k, v, out, lse), (False, True, True, False, False))
             sizes = call.sizes(lay, q, v)
@@ -450,13 +461,13 @@ def dilated_block_backward(
     ``dq, dk, dv`` added into the site's (with ``write``: written, every position of the
     layout's heads, which then must be all of them: rate 1), in place. ``flash_cpu.c`` reads and
     writes the rows where they lie (``BranchLayout.lattice``), with ``real`` only the real ones
-    (``_kernel_calls``; written gradients past them are 0); elsewhere the rows are gathered, run
+    (``kernel_calls``; written gradients past them are 0); elsewhere the rows are gathered, run
     through the block kernel and added back."""
     lay = BranchLayout(*layout)
     operands = (dout, q, k, v, out, lse, dq, dk, dv)
     if _in_place(lay, *operands):
         kinds = (False, False, True, True, False, False, False, True, True)  # kv rows?
-        calls = _kernel_calls(lay, real, is_causal)
+        calls = kernel_calls(lay, real, is_causal)
         for call in calls:
             views, layouts = call.layouts(lay, operands, kinds)
             sizes = call.sizes(lay, q, v)

@@ -581,7 +581,7 @@ def _kernel_line(plans: list[SitePlan]) -> str | None:
     return f"CPU block kernel: {cpu_choice.describe()}"
 
 
-def explain(model_or_fn: Callable[..., Any], *example_args: Any, **config: Any) -> Report:
+def explain(model_or_fn: Callable[..., Any], *example_args: Any, dynamic: bool | None = None, **config: Any) -> Report:
     """Run ``model_or_fn(*example_args)`` once through the rewrite and report every site.
 
     Compiles ``model_or_fn`` with ``torch.compile`` and a new ``ring_dilated`` backend built
@@ -590,11 +590,14 @@ def explain(model_or_fn: Callable[..., Any], *example_args: Any, **config: Any) 
     graph runs eagerly (``compiler="eager"``) unless ``config`` names another compiler. The
     model itself is not modified. For keyword arguments of the model pass
     ``functools.partial(model, **kwargs)``. Under an initialised process group the call runs
-    the ring, so every rank of the group must make it.
+    the ring, so every rank of the group must make it. With ``dynamic=True`` the sequence
+    length is a symbol, as after a second length in training, so a site is padded to its
+    length bucket and the report says what the bucket computes at the example's length.
 
     Args:
         model_or_fn (Callable): an ``nn.Module`` or a function.
         *example_args: its positional arguments.
+        dynamic (bool, optional): ``torch.compile``'s ``dynamic``. Default: ``None``.
         **config: ``RingDilatedConfig`` fields; ``compiler`` defaults to ``"eager"``.
 
     Returns:
@@ -613,5 +616,5 @@ def explain(model_or_fn: Callable[..., Any], *example_args: Any, **config: Any) 
     """
     config.setdefault("compiler", "eager")
     be = RingDilatedBackend(RingDilatedConfig(**config))
-    torch.compile(model_or_fn, backend=be)(*example_args)
+    torch.compile(model_or_fn, backend=be, dynamic=dynamic)(*example_args)
     return Report(list(be.records))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import ring_rewrite
 from conftest import rel_err
 from ring_rewrite.merge import merge_partials
 from ring_rewrite.reference import connection_counts, reference_attention
@@ -491,6 +492,29 @@ def test_bucketed_causal_site_computes_only_real_rows(config, compiler, monkeypa
             if n < bucket:
                 assert sum(b * h * rows for b, h, rows in ran) < sum(batch * heads * bucket // r for _, r in branches)
     assert counters["ring_rewrite"]["bucketed"] == 1
+
+
+@pytest.mark.parametrize("config", [None, ([16, 64], [1, 4])], ids=["exact", "dilated"])
+def test_explain_says_what_a_bucket_computes_at_its_length(config):
+    """``explain(..., dynamic=True)``: the site padded to its bucket says which share of the
+    bucket's query-key pairs its kernel calls compute at the example's length, counted here from
+    the positions each head's causal rows hold."""
+    n, bucket, heads = 37, 64, 4
+    segments, rates = config or (None, None)
+    q, k, v = _inputs(2, heads, heads, n, 8, 8)
+    report = ring_rewrite.explain(
+        functools.partial(_sdpa, is_causal=True), q, k, v, dynamic=True, segment_lengths=segments, dilation_rates=rates
+    )  # fmt: skip
+    (record,) = report.records
+    computed = whole = 0
+    for w, r in [(bucket, 1)] if config is None else zip(*config):
+        for s in range(bucket // w):
+            for j in range(heads):  # head j's rows of segment s: positions s * w + j % r + r * i
+                rows = sum(s * w + j % r + r * i < n for i in range(w // r))
+                computed += rows * (rows + 1) // 2
+                whole += (w // r) * (w // r + 1) // 2
+    assert record.reason.startswith(f"a bucket of {bucket}: reads and writes the real rows only"), record.reason
+    assert f"compiled at {n} positions: {computed / whole:.0%} of the bucket's" in record.reason, record.reason
 
 
 def test_dynamic_sequence_length_specialised_without_buckets():
