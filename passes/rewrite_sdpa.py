@@ -40,7 +40,10 @@ they can (``_plan``). Padding goes after the sequence, so
 every real position, and with it every segment and lattice, stays where it was;
 padded keys get a ``-inf`` bias (none is needed with ``is_causal``: they come after every real
 query), padded queries' rows are dropped from the output, and the gradients of the padding
-are dropped in the backward. The same function, exactly, at the cost of ``N' - N`` more tokens.
+are dropped in the backward. The backward's blocks take the padded rows as dead (their lse
+``+inf``, ``attention._dead_padding``): their ``dout`` is 0, so they add nothing, but a padded
+query of zeros meeting an infinite key scores ``0 * inf = NaN``, which as a live row's it would
+add to every key it reaches. The same function, exactly, at the cost of ``N' - N`` more tokens.
 
 Note [One body per plan]
 ~~~~~~~~~~~~~~~~~~~~~~~~

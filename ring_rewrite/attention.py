@@ -146,6 +146,16 @@ def _padded_keys(plan: SitePlan, q: torch.Tensor, mask: torch.Tensor | None):
     return torch.nn.functional.pad(mask, (0, plan.pad), value=_NEG_INF)
 
 
+def _dead_padding(plan: SitePlan, lse: torch.Tensor) -> torch.Tensor:
+    """This rank's saved ``lse`` with the rows of the plan's padding at ``+inf``: rows the
+    backward's blocks take as dead (Note [Padding the sequence])."""
+    if not plan.pad:
+        return lse
+    rows = torch.arange(plan.n, device=lse.device)
+    held = take_shard(rows, 0, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout) if plan.replicated else rows
+    return lse.masked_fill(held >= plan.n - plan.pad, float("inf"))
+
+
 def _unpadded(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
     return x.narrow(2, 0, plan.n - plan.pad) if plan.pad else x
 
@@ -920,6 +930,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         rotater = Rotater(plan.group_name, token)
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
+    lse = _dead_padding(plan, lse)
     run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout, real), out, lse, seed)
     for step in build(plan, "backward").steps:
         run.run(step)
