@@ -11,8 +11,8 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ring_rewrite.attention import SitePlan
+from ring_rewrite.comm.groups import resolve_group
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import resolve_group
 
 __all__ = ["SiteRecord", "TOUCHED", "UnsupportedSiteError", "leave_alone", "records", "sharded"]
 

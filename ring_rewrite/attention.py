@@ -141,13 +141,15 @@ import dataclasses
 import torch
 
 from . import cpu_kernel
+from .comm.groups import global_ranks
+from .comm.ring import Ring, Rotater
+from .comm.tags import DKV
 from .kernels import block_kernel
 from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
 from .numerics import stat_dtype
 from .ops import BAND_OPEN, RELATIONS
-from .p2p import DKV, Ring, Rotater, global_ranks
 from .program import Block, Cast, Chunk, Dilate, Gather, Land, Merge, Program, Start, Undilate, Wait, build, chunks
 from .roles import role
 from .schedule import BranchPlan, Parts, plan_branch, shard_parts
@@ -196,7 +198,7 @@ class SitePlan:
     ``kernels.py``); the site's calls then take a ``seed``."""
     ranks: tuple[int, ...] = (0,)
     """The global rank of each rank of the group (``ranks[rank]`` is this process): what the
-    report names. Rings and transfers speak group ranks (Note [Group ranks] in ``p2p.py``)."""
+    report names. Rings and transfers speak group ranks (Note [Group ranks] in ``comm/groups.py``)."""
     band: tuple[int | None, int | None] | None = None
     """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
     top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands] in
@@ -790,7 +792,7 @@ def _real(x: _Inputs) -> list[torch.Tensor]:
 def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None, real=None):
     """``(q, k, v[, mask][, token][, seed][, real]) -> (out, saved)``; ``mask`` is an additive
     key bias ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the
-    site's transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout,
+    site's transfers (``comm/calls.py``, ``site_token``), ``seed`` (with dropout) fixes this call's dropout,
     ``real`` (a 0-d int64 tensor) counts the real positions of a causal sequence padded to a
     length bucket (``passes/bucket_lengths.py``). Runs the plan's forward program (Note [The site
     program] in ``program.py``)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .p2p import resolve_group
+from .comm.groups import resolve_group
 
 __all__ = ["shard", "shard_batch", "unshard", "take_shard", "assemble", "positions"]
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ring_rewrite import attention, testing
 from ring_rewrite.attention import SitePlan
-from ring_rewrite.p2p import DKV, KV, KV_BACK
+from ring_rewrite.comm.tags import DKV, KV, KV_BACK
 from ring_rewrite.program import Block, Start, Wait
 from ring_rewrite.testing import capture_ranks, site_body
 
