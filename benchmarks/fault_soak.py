@@ -44,7 +44,7 @@ TARGETS = {
 
 
 def _soak(rank: int, world: int, args: dict) -> dict:
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.waiter import _ABANDONED, _PENDING
 
     torch.set_num_threads(1)
     loop = FaultyLoop(rank, world, TIMEOUT)
@@ -57,7 +57,7 @@ def _soak(rank: int, world: int, args: dict) -> dict:
     return {
         "outcomes": outcomes,
         "rss_growth": sum(memory[-tenth:]) / tenth - sum(memory[:tenth]) / tenth,
-        "left_over": len(p2p._PENDING) + len(p2p._ABANDONED),
+        "left_over": len(_PENDING) + len(_ABANDONED),
         "recovered_transfers": torch._dynamo.utils.counters["ring_rewrite"]["recovered_transfers"],
     }
 

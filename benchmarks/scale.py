@@ -38,7 +38,6 @@ ours over torch's: the choice a user makes between the dilated config and exact 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time

@@ -10,8 +10,8 @@ from typing import Any
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
+from ring_rewrite.comm.groups import resolve_group
 from ring_rewrite.config import RingDilatedConfig
-from ring_rewrite.p2p import resolve_group
 from ring_rewrite.program import Program, build
 from ring_rewrite.site_plan import SitePlan
 

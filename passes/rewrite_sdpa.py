@@ -54,7 +54,7 @@ autograd traces and inductor lowers each body once, not once per layer: inlined 
 layer's LongNet site would compile on its own, seconds each at P = 4 (benchmarks/README.md,
 compile cost, measures the model with and without the rewrite). The only per-site value a body
 needs, the site index in the transfer tags, comes in as the token's value (Note [Ordering the
-ring's messages] in ``ring_rewrite/p2p.py``).
+ring's messages] in ``ring_rewrite/comm/ring.py``).
 """
 
 from __future__ import annotations
@@ -72,15 +72,16 @@ from torch._dynamo.utils import counters
 from torch._functorch.autograd_function import autograd_function_apply
 
 from ring_rewrite.attention import site_backward, site_forward
+from ring_rewrite.comm.calls import check_agreement, name_sites, variant_hash
+from ring_rewrite.comm.groups import resolve_group, ring_group
+from ring_rewrite.comm.ring import Rotater
+from ring_rewrite.comm.transfers import checking_transfers
 from ring_rewrite.site_plan import SitePlan
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.layout import assemble, layout_of
 from ring_rewrite.numerics import masked_fills
 from ring_rewrite.ops import kernel_pairs
 from ring_rewrite.layout import positions as shard_positions
-from ring_rewrite.p2p import (
-    Rotater, check_agreement, checking_transfers, name_sites, resolve_group, ring_group, variant_hash,
-)  # fmt: skip
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
@@ -152,7 +153,7 @@ def rewrite_sdpa(
     if world > 1 and sites:
         keys = [_agreement_key(r) for r in sites]
         check_agreement(group, keys, config.timeout)
-        # Headers name the compiled graph (Note [Calls, deadlines and recovery], p2p.py).
+        # Headers name the compiled graph (Note [Calls, deadlines and recovery], comm/calls.py).
         variant = variant_hash([code, [r.location for r in sites]], keys)
         name_sites(variant, {r.site: r.location for r in sites})
         for token in gm.graph.find_nodes(op="call_function", target=_SITE_TOKEN):

@@ -31,9 +31,9 @@ Example::
 
 from . import ops  # noqa: F401  (registers the ring_rewrite custom ops)
 from .backend import backend, register, ring_dilated, ring_dilated_backend
+from .comm.errors import RingOutOfStep, TransferTimeout
 from .config import RingDilatedConfig
 from .layout import positions, shard, shard_batch, unshard
-from .p2p import RingOutOfStep, TransferTimeout
 from .recompiles import RecompileLimitError
 from .reference import reference_attention
 from .report import Report, explain

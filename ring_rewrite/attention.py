@@ -104,11 +104,12 @@ import dataclasses
 
 import torch
 
+from .comm.ring import Ring, Rotater
+from .comm.tags import DKV
 from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
 from .ops import BAND_OPEN, RELATIONS
-from .p2p import DKV, Ring, Rotater
 from .program import Block, Cast, Chunk, Dilate, Gather, Land, Merge, Start, Undilate, Wait, build, chunks
 from .roles import role
 from .site_plan import SitePlan
@@ -590,7 +591,7 @@ def _real(x: _Inputs) -> list[torch.Tensor]:
 def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed=None, real=None):
     """``(q, k, v[, mask][, token][, seed][, real]) -> (out, saved)``; ``mask`` is an additive
     key bias ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the
-    site's transfers (``p2p.site_token``), ``seed`` (with dropout) fixes this call's dropout,
+    site's transfers (``comm/calls.py``, ``site_token``), ``seed`` (with dropout) fixes this call's dropout,
     ``real`` (a 0-d int64 tensor) counts the real positions of a causal sequence padded to a
     length bucket (``passes/bucket_lengths.py``). Runs the plan's forward program (Note [The site
     program] in ``program.py``)."""

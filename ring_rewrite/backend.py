@@ -12,8 +12,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import inductor_fixes, recompiles
+from .comm.lowering import inductor_lowering
 from .config import RingDilatedConfig
-from .p2p import inductor_lowering
 from .passes import check_disabled, run_passes
 
 __all__ = ["backend", "ring_dilated", "ring_dilated_backend", "RingDilatedBackend"]

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .comm.groups import resolve_group
 from .decode import sharded_keys
 from .layout import positions, shard_batch
-from .p2p import resolve_group
 
 __all__ = ["ShardedCache", "prefill"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .p2p import resolve_group
+from .comm.groups import resolve_group
 
 __all__ = [
     "LAYOUTS", "Layout", "assemble", "layout_of", "positions", "shard", "shard_batch", "take_shard", "unshard",

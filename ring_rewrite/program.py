@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from .p2p import DKV, GATHER, KV, KV_BACK, Tag
+from .comm.tags import DKV, GATHER, KV, KV_BACK, Tag
 from .layout import layout_of
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ import torch
 from . import cpu_kernel
 from .kernels import block_kernel
 from .numerics import stat_dtype
-from .p2p import global_ranks
+from .comm.groups import global_ranks
 from .layout import layout_of
 from .schedule import BranchPlan, plan_branch
 
@@ -98,7 +98,7 @@ class SitePlan:
     ``kernels.py``); the site's calls then take a ``seed``."""
     ranks: tuple[int, ...] = (0,)
     """The global rank of each rank of the group (``ranks[rank]`` is this process): what the
-    report names. Rings and transfers speak group ranks (Note [Group ranks] in ``p2p.py``)."""
+    report names. Rings and transfers speak group ranks (Note [Group ranks] in ``comm/groups.py``)."""
     band: tuple[int | None, int | None] | None = None
     """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
     top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands] in

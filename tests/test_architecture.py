@@ -17,8 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = {
-    "attention", "config", "cpu_choice", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge", "numerics",
-    "ops", "p2p", "program", "reference", "roles", "schedule", "site_plan",
+    "attention", "comm", "config", "cpu_choice", "cpu_kernel", "decode", "dilation", "kernels", "layout", "merge",
+    "numerics", "ops", "program", "reference", "roles", "schedule", "site_plan",
 }  # fmt: skip
 FRONT = {
     "__init__", "backend", "cache", "hf", "inductor_fixes", "recompiles", "report", "scale", "testing", "pytest_plugin",

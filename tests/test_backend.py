@@ -249,7 +249,7 @@ def test_a_users_post_grad_pass_runs_and_the_cache_still_keys_on_the_ring_loweri
 
     from ring_rewrite.backend import _inductor_patches
     from ring_rewrite.inductor_fixes import cache_key
-    from ring_rewrite.p2p import inductor_lowering
+    from ring_rewrite.comm.lowering import inductor_lowering
 
     ran = []
 

@@ -159,29 +159,29 @@ def test_local_branches_in_head_chunks(compiler, shape, monkeypatch, request):
     assert max(errors.values()) < TOL, errors
 
 
-# ---- the ring's transfers over NCCL (Note [The CUDA transport] in p2p.py) ----------------------
+# ---- the ring's transfers over NCCL (Note [The CUDA transport] in comm/transfers.py) -----------
 
 
 def _nccl_to_itself(rank, world):
-    from ring_rewrite import p2p
+    from ring_rewrite.comm import calls, groups, tags, waiter
 
     torch.cuda.set_device(0)
     ops = torch.ops.ring_rewrite
-    group = p2p.ring_group(dist.group.WORLD)  # gloo beside NCCL
+    group = groups.ring_group(dist.group.WORLD)  # gloo beside NCCL
     name = group.group_name
-    token = p2p.site_token(0, name, 0, 60_000)  # the call's header, int64 on the CPU: over gloo
+    token = calls.site_token(0, name, 0, 60_000)  # the call's header, int64 on the CPU: over gloo
     x = torch.randn(1 << 20, device=DEVICE)
     y = torch.randn(64, 48, device=DEVICE, dtype=torch.bfloat16)
     expected = [x.clone(), y.clone()]
-    tag = p2p.transfer_tag(0, p2p.KV, 1)
+    tag = tags.transfer_tag(0, tags.KV, 1)
     token = ops.ring_shift_start([x, y], token, name, 0, 0, tag)
     busy = torch.randn(4096, 4096, device=DEVICE)
     busy = busy @ busy  # compute the transfer overlaps
     *got, token = ops.ring_shift_wait([x, y], token, tag, [busy])
     ops.close_call(token, name, [])
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert p2p._WAITER._thread is None  # no helper thread waited on a CUDA work
-    assert not p2p._PENDING
+    assert waiter._WAITER._thread is None  # no helper thread waited on a CUDA work
+    assert not waiter._PENDING
 
 
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="no NCCL")

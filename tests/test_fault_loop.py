@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ranks import run_ranks
-from ring_rewrite import p2p
-from ring_rewrite.p2p import BACKWARD, CALL, FAILED, FORWARD
+from ring_rewrite.comm.calls import _header
+from ring_rewrite.comm.state import BACKWARD, CALL, FAILED, FORWARD, _GroupState
+from ring_rewrite.comm.waiter import _ABANDONED, _PENDING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import faulty_loop  # noqa: E402
@@ -58,7 +59,7 @@ def _loop(rank, world):
         loop.step(step, fault, culprit % world, scale, backward)
         for step, (fault, culprit, scale, backward) in enumerate(STEPS)
     ]
-    left = len(p2p._PENDING) + len(p2p._ABANDONED)
+    left = len(_PENDING) + len(_ABANDONED)
     everyone = [None] * world
     dist.all_gather_object(everyone, (outcomes, left))
     if rank == 0:
@@ -98,7 +99,7 @@ def _headers(*calls):
     rows = []
     for call in calls:
         kind, key = (FAILED, call[1]) if call[0] == "failed" else (CALL, call)
-        rows.append(p2p._header(p2p._GroupState(call=7), kind, *key))
+        rows.append(_header(_GroupState(call=7), kind, *key))
     return torch.stack(rows)
 
 
@@ -125,7 +126,7 @@ def _headers(*calls):
 def test_who_waits_when_headers_differ(history, headers, waiting):
     """``_GroupState.waiting`` on headers alone, after the calls every rank opened together
     (``None``: a round whose headers differed)."""
-    state = p2p._GroupState()
+    state = _GroupState()
     for key in history:
         if key is None:
             state.diverged(_headers(A, B))

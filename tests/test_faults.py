@@ -50,7 +50,7 @@ def _step(attend, q, k, v, *, raise_between=False, backward=True, first_causal=T
 
 def _healthy(attend, what):
     """A step on every rank: right (against the float64 reference), nothing left pending."""
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.waiter import _ABANDONED, _PENDING
     from ring_rewrite.reference import reference_attention
 
     q, k, v = _inputs()
@@ -63,7 +63,7 @@ def _healthy(attend, what):
     assert rel_err(out, ref) < 1e-5, what
     for got, x in zip(grads, (q, k, v)):
         assert rel_err(got, x.grad) < 1e-5, what
-    assert not p2p._PENDING and not p2p._ABANDONED, what
+    assert not _PENDING and not _ABANDONED, what
 
 
 def _fails(error, match, fn):
@@ -85,8 +85,9 @@ def _raise(what):
 
 def _scenarios(rank, world, compiler):
     import ring_rewrite
-    from ring_rewrite import p2p
-    from ring_rewrite.p2p import RingOutOfStep, TransferTimeout
+    from ring_rewrite.comm import calls
+    from ring_rewrite.comm.errors import RingOutOfStep, TransferTimeout
+    from ring_rewrite.comm.groups import ring_group
 
     attend = torch.compile(_attend, backend=ring_rewrite.backend(compiler=compiler, timeout=TIMEOUT))
     # Compiles both variants, forward and backward. The first call of a graph waits for peers
@@ -142,12 +143,12 @@ def _scenarios(rank, world, compiler):
 
     # A rank skips a whole step: the others' last step waits for it in a header, which times
     # out (after HEADER_TIMEOUT, shortened here); the group is then unusable, and says so at once.
-    p2p.HEADER_TIMEOUT = 2 * TIMEOUT
+    calls.HEADER_TIMEOUT = 2 * TIMEOUT
     if rank == 0:
         time.sleep(2 * TIMEOUT + 2)
         # Completes the others' abandoned header, so that gloo can shut down.
         header = torch.zeros(8, dtype=torch.int64)
-        dist.all_gather([torch.empty_like(header) for _ in range(world)], header, group=p2p.ring_group(dist.group.WORLD))
+        dist.all_gather([torch.empty_like(header) for _ in range(world)], header, group=ring_group(dist.group.WORLD))
     else:
         _fails(TransferTimeout, r"header of site 0 \(forward\)", lambda: _healthy(attend, "skipped"))
         _fails(RuntimeError, "can no longer be used", lambda: _healthy(attend, "broken"))

@@ -1,5 +1,5 @@
 """Rings on process groups other than WORLD: one dimension of a ``(dp, cp)`` DeviceMesh, and
-groups of non-adjacent ranks (Note [Group ranks] in ring_rewrite/p2p.py).
+groups of non-adjacent ranks (Note [Group ranks] in ring_rewrite/comm/groups.py).
 
 On 4 gloo ranks, every ``cp`` group holds its own sequence, as a data-parallel replica would; its
 outputs and gradients must equal the float64 reference on that sequence. On a fake process group,
@@ -70,25 +70,26 @@ def _recovery_in_the_group(rank, apart):
     group ranks (Note [Calls, deadlines and recovery])."""
     from torch._dynamo.utils import counters
 
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.calls import site_token
+    from ring_rewrite.comm.waiter import _PENDING
 
     ops, name = torch.ops.ring_rewrite, apart.group_name
     me = dist.get_rank(apart)
     x = torch.full((4,), float(rank))
-    token = p2p.site_token(0, name, 0, 20_000)
+    token = site_token(0, name, 0, 20_000)
     if me == 1:
         ops.ring_shift_start([x], token, name, 0, 0, 7)  # its peer never starts; nobody waits
-    token = ops.ring_shift_start([x], p2p.site_token(0, name, 0, 20_000), name, 1 - me, 1 - me, 7)
+    token = ops.ring_shift_start([x], site_token(0, name, 0, 20_000), name, 1 - me, 1 - me, 7)
     (got, _) = ops.ring_shift_wait([x], token, 7, [])
     assert got.tolist() == [float((rank + 2) % 4)] * 4
-    assert not p2p._PENDING and counters["ring_rewrite"]["recovered_transfers"] == me
+    assert not _PENDING and counters["ring_rewrite"]["recovered_transfers"] == me
 
 
 def _errors_name_global_ranks(rank, apart):
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.calls import site_token
 
     name, me = apart.group_name, dist.get_rank(apart)
-    token = p2p.site_token(1, name, 0, 20_000)
+    token = site_token(1, name, 0, 20_000)
     same = torch.full((1,), float(me))  # replicated mode's check: the ranks hold other sequences
     first, second = rank % 2, rank % 2 + 2
     with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{second}\] differ from rank {first}'s"):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ring_rewrite import site_plan, testing
-from ring_rewrite.site_plan import SitePlan
-from ring_rewrite.p2p import DKV, KV, KV_BACK
+from ring_rewrite.comm.tags import DKV, KV, KV_BACK
 from ring_rewrite.program import Block, Start, Wait, build
+from ring_rewrite.site_plan import SitePlan
 from ring_rewrite.testing import capture_ranks, site_body
 
 WINDOW = 6

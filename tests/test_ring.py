@@ -220,13 +220,14 @@ def test_ranks_that_disagree_fail_with_a_clear_error(what):
 
 
 def _token(site=0, call=0, timeout=20.0):
-    """A call's token as ``site_token`` makes it, without the header (p2p.py): (site, call id,
+    """A call's token as ``site_token`` makes it, without the header (comm/calls.py): (site, call id,
     group call, timeout in ms, variant)."""
     return torch.tensor([site, 1000 + call, call, int(timeout * 1000), 0])
 
 
 def _mixed_gathers(rank, world):
-    from ring_rewrite import p2p  # noqa: F401  (registers the ops)
+    from ring_rewrite.comm import calls, waiter
+    from ring_rewrite.comm.errors import TransferTimeout
 
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((3,), float(rank), dtype=torch.bfloat16)
@@ -236,10 +237,10 @@ def _mixed_gathers(rank, world):
         torch.ops.ring_rewrite.all_gather_seq(x, _token(), group, world, 7 + rank)
     # The same tag in another call is another transfer: the messages never pair; each rank's
     # gather times out naming itself, and the next call's header recovers both.
-    with pytest.raises(p2p.TransferTimeout, match=f"gather at distance 1 .*call {rank + 1}\\) did not finish"):
+    with pytest.raises(TransferTimeout, match=f"gather at distance 1 .*call {rank + 1}\\) did not finish"):
         torch.ops.ring_rewrite.all_gather_seq(x, _token(call=rank + 1, timeout=1.0), group, world, 7)
-    p2p.site_token(0, group, 0, 20_000)
-    assert not p2p._PENDING
+    calls.site_token(0, group, 0, 20_000)
+    assert not waiter._PENDING
 
 
 def test_gathers_in_different_orders_fail_loudly():
@@ -265,7 +266,7 @@ def test_replicated_mode_refuses_different_sequences_per_rank():
 
 
 def _shift(rank, world):
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.calls import site_token
 
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
@@ -273,7 +274,7 @@ def _shift(rank, world):
     x, w = torch.full((4,), float(rank + 1)), torch.full((2, 3), -float(rank))
     # Two transfers in flight at once under the same tag in two site calls (the token carries
     # the call), finished in the other order (the backward's dK/dV do so).
-    site3, site4 = (p2p.site_token(site, group, 0, 20_000) for site in (3, 4))
+    site3, site4 = (site_token(site, group, 0, 20_000) for site in (3, 4))
     assert (site3[0].item(), site4[0].item()) == (3, 4) and site4[2] == site3[2] + 1
     site3 = ops.ring_shift_start([x], site3, group, nxt, prv, 11)
     site4 = ops.ring_shift_start([x, w], site4, group, prv, nxt, 11)
@@ -292,7 +293,7 @@ def test_shift_start_and_wait_pair_by_tag():
 def _freed_by_the_caller(rank, world):
     from torch.profiler import ProfilerActivity, profile
 
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.calls import site_token
 
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
@@ -300,7 +301,7 @@ def _freed_by_the_caller(rank, world):
     # The call's header is exchanged before the profiler starts: gloo's worker thread drops its
     # all_gather (and the header's few bytes) just after waking the caller, sometimes once the
     # profiler has stopped. The transfers below use no worker thread.
-    opened = p2p.site_token(0, group, 0, 20_000)
+    opened = site_token(0, group, 0, 20_000)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         token = opened
         for step in range(3):
@@ -334,7 +335,8 @@ class _StreamWork:
 
 
 def _stream_transport(rank, world):
-    from ring_rewrite import p2p
+    from ring_rewrite.comm import calls, groups, transfers
+    from ring_rewrite.comm.waiter import _PENDING, _WAITER
 
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
@@ -348,27 +350,27 @@ def _stream_transport(rank, world):
         waiter_jobs.append([w for w in works if not w.done])
 
     # Transfers of these (CPU) tensors made to take the CUDA path; the fake group moves nothing.
-    p2p._on_stream = lambda x: True
-    p2p.dist.batch_isend_irecv = batch_isend_irecv
-    p2p._WAITER.wait = waiter
+    transfers._on_stream = lambda x: True
+    transfers.dist.batch_isend_irecv = batch_isend_irecv
+    _WAITER.wait = waiter
     x = torch.randn(8)
-    token = ops.ring_shift_start([x], p2p.site_token(0, group, 0, 20_000), group, 0, 0, 5)
+    token = ops.ring_shift_start([x], calls.site_token(0, group, 0, 20_000), group, 0, 0, 5)
     (calls,) = posted
     assert [(name, peer) for name, peer, _, _ in calls] == [("isend", 0), ("irecv", 0)]
     assert calls[0][3] is x  # sent in place: no copy
     # Nothing waits at the start; the pending transfer holds what NCCL reads and writes.
     assert waited == []
-    (pending,) = p2p._PENDING.values()
+    (pending,) = _PENDING.values()
     assert pending.sent[0] is x and pending.received[0] is calls[1][3]
     got, _ = ops.ring_shift_wait([x], token, 5, [])
     # The wait: each work's wait() once, on the calling thread; nothing handed to the waiter thread.
     assert waited == [threading.get_ident()]
     assert all(job == [] for job in waiter_jobs)
-    assert not p2p._PENDING
+    assert not _PENDING
     # The ring's group beside an NCCL group: gloo for the CPU traffic, NCCL for the GPU's.
-    p2p.dist.get_backend = lambda g=None: "nccl"
+    groups.dist.get_backend = lambda g=None: "nccl"
     torch.cuda.current_device = lambda: 3
-    assert p2p._ring_backend(torch.distributed.group.WORLD) == {
+    assert groups._ring_backend(torch.distributed.group.WORLD) == {
         "backend": "cpu:gloo,cuda:nccl", "device_id": torch.device("cuda", 3)
     }
 
@@ -379,12 +381,12 @@ def test_cuda_transfers_wait_on_the_callers_stream_and_hold_their_buffers():
 
 
 def _wait_on_a_copy(rank, world):
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.calls import site_token
 
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((4,), float(rank))
-    token = ops.ring_shift_start([x], p2p.site_token(0, group, 0, 20_000), group, 1 - rank, 1 - rank, 5)
+    token = ops.ring_shift_start([x], site_token(0, group, 0, 20_000), group, 1 - rank, 1 - rank, 5)
     # The wait given another buffer than the start sent (what Note [Buffers in flight] keeps
     # inductor from doing) raises.
     with pytest.raises(RuntimeError, match="tensor 0 reached the wait in another buffer"):
@@ -396,7 +398,8 @@ def test_a_wait_on_another_buffer_than_was_sent_raises():
 
 
 def _fail_mid_step(rank, world):
-    from ring_rewrite import p2p
+    from ring_rewrite.comm.calls import site_token
+    from ring_rewrite.comm.waiter import _ABANDONED, _PENDING
 
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
@@ -404,14 +407,14 @@ def _fail_mid_step(rank, world):
     for call in range(2):
         # A call that raises between a start and its wait (the compute it overlaps failed)...
         x = torch.full((4,), float(10 * call + rank))
-        token = ops.ring_shift_start([x], p2p.site_token(2, group, 0, 20_000), group, peer, peer, 7)
+        token = ops.ring_shift_start([x], site_token(2, group, 0, 20_000), group, peer, peer, 7)
         if call == 0:
-            assert len(p2p._PENDING) == 1
+            assert len(_PENDING) == 1
             continue
         # ...leaves nothing behind that breaks the next call of the site: its header recovers it.
         (got, _) = ops.ring_shift_wait([x], token, 7, [])
         assert got.tolist() == [float(10 + peer)] * 4
-    assert not p2p._PENDING and not p2p._ABANDONED
+    assert not _PENDING and not _ABANDONED
 
 
 def test_a_call_that_failed_mid_step_does_not_break_the_next():
@@ -419,14 +422,16 @@ def test_a_call_that_failed_mid_step_does_not_break_the_next():
 
 
 def _written_in_flight(rank, world):
-    from ring_rewrite import p2p
+    from ring_rewrite.comm import transfers
+    from ring_rewrite.comm.calls import site_token
+    from ring_rewrite.comm.tags import KV, transfer_tag
 
-    assert p2p.checking_transfers()
+    assert transfers.checking_transfers()
     ops = torch.ops.ring_rewrite
     group = torch.distributed.group.WORLD.group_name
     x = torch.full((1 << 12,), float(rank))
-    tag = p2p.transfer_tag(2, p2p.KV, 3)
-    token = ops.ring_shift_start([x], p2p.site_token(1, group, 0, 20_000), group, 1 - rank, 1 - rank, tag)
+    tag = transfer_tag(2, KV, 3)
+    token = ops.ring_shift_start([x], site_token(1, group, 0, 20_000), group, 1 - rank, 1 - rank, tag)
     if rank == 0:
         torch.distributed.barrier()  # rank 1 has what rank 0 sent; its send is not waited for
         x.add_(1)  # what inductor's memory planner did to a buffer in flight
@@ -437,11 +442,11 @@ def _written_in_flight(rank, world):
         torch.distributed.barrier()
     # A message that is not what its sender fingerprinted (mis-paired, or written before gloo
     # read it) fails at the receiver.
-    fingerprint = p2p._fingerprint
+    fingerprint = transfers._fingerprint
     if rank == 0:
-        p2p._fingerprint = lambda t: torch.zeros(2, dtype=torch.int64)
-    token = ops.ring_shift_start([x], p2p.site_token(1, group, 0, 20_000), group, 1 - rank, 1 - rank, 9)
-    p2p._fingerprint = fingerprint
+        transfers._fingerprint = lambda t: torch.zeros(2, dtype=torch.int64)
+    token = ops.ring_shift_start([x], site_token(1, group, 0, 20_000), group, 1 - rank, 1 - rank, 9)
+    transfers._fingerprint = fingerprint
     expected = "differs from what that rank sent" if rank == 1 else "written while in flight"
     with pytest.raises(RuntimeError, match=expected):
         ops.ring_shift_wait([x], token, 9, [])

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import ring_rewrite
-from ring_rewrite import p2p, testing
-from ring_rewrite.p2p import DKV, GATHER, KV, KV_BACK, MAX_BRANCHES, Tag
+from ring_rewrite import testing
+from ring_rewrite.comm import tags
+from ring_rewrite.comm.tags import DKV, GATHER, KV, KV_BACK, MAX_BRANCHES, Tag
 from ring_rewrite.testing import Capture, Transfer, assert_same_p2p_schedule, capture_ranks, site_body
 
 WORLD = 4
@@ -55,7 +56,7 @@ def test_tags_decode_to_what_they_encode(kind):
 def test_tags_encode_as_on_the_wire(tag, encoded):
     # ((branch * 4 + kind) * 64 + chunk) * 1024 + step: the ints graphs and messages carry.
     assert tag.encode() == encoded == ((tag.branch * 4 + tag.kind) * 64 + tag.chunk) * 1024 + tag.step
-    assert p2p.transfer_tag(tag.branch, tag.kind, tag.step, tag.chunk) == encoded
+    assert tags.transfer_tag(tag.branch, tag.kind, tag.step, tag.chunk) == encoded
 
 
 @pytest.mark.parametrize(
@@ -77,8 +78,8 @@ def test_errors_name_a_transfer_by_its_tag():
     assert str(Tag(0, KV_BACK, 2)) == "branch 0, step 2, K/V (backward), head chunk 0"
     assert str(Tag(0, GATHER, 3)) == "gather at distance 3"
     named = "site 2, branch 1, step 5, dK/dV, head chunk 7 (tag 400389, call 9)"
-    assert p2p._describe(2, 9, 400389) == named
-    assert p2p._describe(0, 1, 196611) == "site 0, gather at distance 3 (tag 196611, call 1)"
+    assert tags._describe(2, 9, 400389) == named
+    assert tags._describe(0, 1, 196611) == "site 0, gather at distance 3 (tag 196611, call 1)"
 
 
 def _send_recv(capture: Capture, graph: str) -> list[Transfer]:

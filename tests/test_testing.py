@@ -17,7 +17,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ring_rewrite import p2p, testing
+from ring_rewrite import testing
+from ring_rewrite.comm import ring
 from ring_rewrite.testing import (
     ACCEPT_ENV,
     Transfer,
@@ -316,12 +317,12 @@ def test_same_p2p_schedule_at_four_ranks():
 
 def test_same_p2p_schedule_fails_when_one_rank_tags_differently(monkeypatch):
     # Break the ring on purpose: rank 2 sends its second step's messages under another tag.
-    tag = p2p.transfer_tag
+    tag = ring.transfer_tag
 
     def rank_dependent(branch, kind, step, chunk=0):
         return tag(branch, kind, step, chunk) + (dist.get_rank() == 2 and step == 1)
 
-    monkeypatch.setattr(p2p, "transfer_tag", rank_dependent)
+    monkeypatch.setattr(ring, "transfer_tag", rank_dependent)
     with pytest.raises(AssertionError) as info:
         assert_same_p2p_schedule(causal, _shard, world=4, **SHARDED)
     message = str(info.value)

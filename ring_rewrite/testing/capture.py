@@ -14,8 +14,8 @@ import torch.utils._pytree as pytree
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 
 from ..backend import RingDilatedBackend
+from ..comm.groups import resolve_group
 from ..config import RingDilatedConfig
-from ..p2p import resolve_group
 from ..report import Report
 from .diff import GraphDiff, graph_diff
 from .graphs import site_subgraphs

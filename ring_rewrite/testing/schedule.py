@@ -54,7 +54,7 @@ class Transfer:
     dtypes: tuple[torch.dtype, ...] | None
     send_to: int | None
     """The rank sent to, as a rank of the ring's process group (Note [Group ranks] in
-    ``ring_rewrite/p2p.py``); None for a gather."""
+    ``ring_rewrite/comm/groups.py``); None for a gather."""
     recv_from: int | None
 
     @property
