@@ -4,7 +4,7 @@ ALiBi models (BLOOM, MPT, Falcon with ``alibi=True``) add the key bias ``slope_h
 softmax over the keys ``t`` it equals ``slope_h * (t - p)``. At ``t = 65,536`` and slope 1/4 it
 is 16,384, where a float32 score keeps 3 bits after the point, so a kernel that adds the bias as
 it is loses accuracy as N grows. The rewrite adds ``b_t - b_p`` instead, the bias less each
-query row's own (Note [Recentred key biases] in ``ring_rewrite/attention.py``): the dense bias
+query row's own (Note [Recentred key biases]): the dense bias
 ``slope_h * (t - p)`` itself.
 
 One function builds the mask as BLOOM does, ``where(causal, 0, -inf) + slopes[h] * t`` over

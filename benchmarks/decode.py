@@ -10,7 +10,7 @@ dilated config (``SEGMENTS`` 2048, 4096, 8192, 16384 with ``RATES`` 1, 2, 4, 8, 
   rank's N/P tokens' keys and values (``ShardedCache``); ``model.generate(input_ids,
   cache=cache, do_sample=False)`` then decodes, every rank feeding the same tokens: a step
   attends each rank's keys (rank 0 also the new tokens) and merges the ranks' ``(out, lse)``
-  with one all-gather per layer (Note [A sharded KV cache] in ``ring_rewrite/decode.py``).
+  with one all-gather per layer (Note [A sharded KV cache]).
 * whole (today's decode, one process): the same model and config in replicated mode on one
   rank, ``model.generate`` with transformers' ``DynamicCache``: the prefill of the whole prompt,
   then decode steps over the whole cache (``decode_attention``).
@@ -48,7 +48,7 @@ Measured per prompt length N (a second, timed run; the cache of the check run fr
 Targets (P = 4): cache memory per rank at most 0.35x of the whole cache (today's: every rank
 holds it); the prompt's cache per rank after the prefill at most 0.27x of the whole prompt's,
 at every N, powers of two or not (the prefill pads to a bucket, then the ranks even out their
-parts: Note [An even cache] in ``ring_rewrite/cache.py``); time per token within 1.5x of the one-process whole cache at N = 64k (against the
+parts: Note [An even cache]); time per token within 1.5x of the one-process whole cache at N = 64k (against the
 faster of its 1- and 2-thread settings), and below it where one process no longer fits
 (``null``: it fits at every N measured here). The JSON records the load average before and
 after: other work on the machine slows every time here.

@@ -9,7 +9,7 @@ float32, forward and backward, inductor, one process. Per config two compiled fu
 
 * ``bucketed``: ``dynamic=True``, the length a symbol; the ``length_buckets`` pass pads it to its
   power-of-two bucket, and the site's local branches compute only the real rows (Note [Padding to
-  a bucket] in ``passes/bucket_lengths.py``): one graph per bucket;
+  a bucket]): one graph per bucket;
 * ``specialised``: ``dynamic=False``, one graph per length, no padding.
 
 At each length the two run interleaved, a warm-up step each (the specialised one compiles there)

@@ -6,8 +6,8 @@ automatic dynamic shapes make the length a symbol ``s0`` (``dynamic=True`` and
 into segments, lattices and shards), so without this pass it specialises, guarding
 ``s0 == n``: one graph per length, and dynamo's recompile limit after eight. Here a site whose
 length is symbolic is padded, in the graph, to the bucket ``L``, the power of two with
-``L / 2 < s0 <= L`` (guarded), and the padding masked (Note [Padding the sequence] in
-``rewrite_sdpa.py``: the same function, exactly)::
+``L / 2 < s0 <= L`` (guarded), and the padding masked (Note [Padding the sequence]:
+the same function, exactly)::
 
     out = sdpa(q, k, v, attn_mask=m, is_causal=c)                 # q, k, v (B, H, s0, D)
 
@@ -32,7 +32,7 @@ same structure at a static length (``_structured_mask``). Where its structure ca
 symbolic length (an order of documents other than equality, a band that depends on the length),
 the site specialises as before.
 
-Cross attention (Note [Self or cross attention] in ``find_sdpa.py``) is not touched.
+Cross attention (Note [Self or cross attention]) is not touched.
 
 Note [Padding to a bucket]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -319,8 +319,7 @@ def _appended(node: fx.Node, m: int) -> bool:
 
 def sharded_cache_keys(site: SdpaSite) -> fx.Node | None:
     """The ``sharded_keys`` node the site's keys come from, up to views (GQA's repeat included),
-    or None: a decode step over a rank's part of a sharded cache (Note [A sharded KV cache] in
-    ``ring_rewrite/decode.py``)."""
+    or None: a decode step over a rank's part of a sharded cache (Note [A sharded KV cache])."""
     node = site.key
     while isinstance(node, fx.Node) and node.op in ("call_method", "call_function"):
         if node.target in _SHARDED_KEYS:

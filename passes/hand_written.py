@@ -68,14 +68,14 @@ Each check, and why the result is then exactly SDPA's function:
   compute them; the site is left alone with that reason.
 * **scales before masks**; a scale after an additive bias: ``(s + b) * c == s * c + b * c``,
   SDPA with the scale ``c`` and the bias ``b * c`` (Falcon's ``(s + alibi) * inv_norm_factor``).
-  The scaled bias keeps its fills (``min * c`` is passed as it is: Note [Fills that mask] in
-  ``ring_rewrite/numerics.py`` says when a key bias masks). A scale
+  The scaled bias keeps its fills (``min * c`` is passed as it is: Note [Fills that mask]
+  says when a key bias masks). A scale
   after a mask is left alone (simple over clever), and so is a scale after a bias by a tensor
   that requires grad (SDPA's mask takes no gradient, ``find_sdpa``).
 * **only the ops listed**: anything else on the scores (a softcap ``tanh``, Gemma 2's;
   ``s - s.amax()``) is a different function, left alone with its reason.
 * **a fill of -inf or about the lowest finite value** of the dtype the masked scores have (at or
-  below half of it, Note [Fills that mask] in ``ring_rewrite/numerics.py``):
+  below half of it, Note [Fills that mask]):
   ``finfo.min`` (transformers' eager masks, ``where(allowed, 0, min)``) gives a masked key the
   weight ``exp(min - max) = 0``, exactly as ``-inf`` does, in every row with a key allowed and
   scores below ``finfo.max / 2`` in magnitude. Such fills become ``-inf`` (masks.py reads
@@ -109,7 +109,7 @@ Note [Site ids of hand-written attention]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Sites left alone here get their records first (in the order found); every new SDPA node then
 gets the id ``rewrite_sdpa`` will give it: the records so far plus its place among all SDPA
-nodes in graph order (as Note [Site ids of decomposed modules] in ``decompose_mha.py``).
+nodes in graph order (as Note [Site ids of decomposed modules]).
 """
 
 from __future__ import annotations

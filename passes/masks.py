@@ -598,8 +598,8 @@ def _additive(e, parts: _Parts, dtype: torch.dtype):
     """A float mask: a sum of ``where(allowed, x, -inf)`` terms (``masked_fill(~allowed, -inf)``
     alike) and key biases; returns the band (or None).
 
-    A fill that masks in ``dtype`` (its ``finfo.min``, transformers' fill: Note [Fills that mask]
-    in ``ring_rewrite/numerics.py``) masks as
+    A fill that masks in ``dtype`` (its ``finfo.min``, transformers' fill: Note [Fills that mask])
+    masks as
     ``-inf`` does: a masked key's weight is ``exp(min - max)``, 0 in every row with a key allowed
     (scores below ``finfo.max / 2`` in magnitude). Only a row with no key allowed differs: there
     the dense mask gives the mean of the values and the rewrite 0 (docs/semantics.md, Accuracy)."""

@@ -37,7 +37,7 @@ class SiteRecord:
     shapes: dict[str, Any]
     reason: str | None = None
     """Why the site is left alone; for a rewritten one, where its plan departs from the ring
-    over every rank (Note [Whole on every rank] in ``rewrite_sdpa.py``), or None."""
+    over every rank (Note [Whole on every rank]), or None."""
     plan: SitePlan | None = None
     passes: tuple[str, ...] = ()
     """The passes that changed the site, in pipeline order (``passes/pipeline.py``)."""

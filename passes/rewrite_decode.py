@@ -6,7 +6,7 @@ Over a whole cache (replicated mode, or one rank) each rank computes the step's 
 key (``ring_rewrite/decode.py``, ``decode_attention``), at the positions the mask places them for
 a sliding-window cache. Over a cache that stays sharded (``ring_rewrite.prefill``'s, marked by
 ``sharded_keys``) each rank attends its own keys at their global positions, and one all-gather
-merges the ranks' rows exactly (Note [A sharded KV cache] in ``ring_rewrite/decode.py``). A step
+merges the ranks' rows exactly (Note [A sharded KV cache]). A step
 that cannot be rewritten is left alone over a whole cache, and raises over a sharded one (left
 alone it would attend to one rank's keys).
 """

@@ -54,7 +54,7 @@ autograd traces and inductor lowers each body once, not once per layer: inlined 
 layer's LongNet site would compile on its own, seconds each at P = 4 (benchmarks/README.md,
 compile cost, measures the model with and without the rewrite). The only per-site value a body
 needs, the site index in the transfer tags, comes in as the token's value (Note [Ordering the
-ring's messages] in ``ring_rewrite/comm/ring.py``).
+ring's messages]).
 """
 
 from __future__ import annotations
@@ -361,8 +361,8 @@ def _key_bias(
 def _unpadded_inputs(plan: SitePlan, site: SdpaSite) -> list[fx.Node] | None:
     """The unpadded q, k, v of a site the ``length_buckets`` pass padded, where the site can
     take them: one process, every branch local and read in place, so that the kernels read
-    and write only the real rows where they lie (Note [Padding to a bucket] in
-    ``bucket_lengths.py``); None elsewhere."""
+    and write only the real rows where they lie (Note [Padding to a bucket]);
+    None elsewhere."""
     if plan.world != 1 or not plan.local_in_place or not all(b.is_local for b in plan.branches):
         return None
     nodes = (site.query, site.key, site.value)
@@ -382,7 +382,7 @@ def _rewrite_site(
     index: int, bodies: dict, config: RingDilatedConfig,
 ) -> str | None:  # fmt: skip
     """Replace ``site`` by its call; returns a note for the report where the site is a bucket's
-    that computes only its real rows (Note [Padding to a bucket] in ``bucket_lengths.py``)."""
+    that computes only its real rows (Note [Padding to a bucket])."""
     graph, node = gm.graph, site.node
     stack = node.meta.get("stack_trace")
     args = [site.query, site.key, site.value]

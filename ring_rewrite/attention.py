@@ -1,6 +1,6 @@
 """Dilated ring attention of one SDPA site: forward and its explicit backward.
 
-Both functions run the plan's program (Note [The site program] in ``program.py``), step by
+Both functions run the plan's program (Note [The site program]), step by
 step, as plain torch code: ``_Forward`` and ``_Backward`` hold what a call has computed and
 have one method per step type. The rewrite pass traces each into an FX body (once per plan,
 shared by the sites that have it) and joins the two with ``autograd_function_apply``, so the
@@ -60,13 +60,13 @@ runs of a rank's parts (both zigzag chunks, or one), so it holds its tensors as 
 nseg*m, D)``, per head the parts one after another: every block's rows are then a slice, a view,
 and its out, lse and gradients split back into parts by views. With ``r = 1`` that layout is
 the rank's sequence itself (no copy). Otherwise the dilation gathers each tensor once per
-branch into a buffer of its own (``ops.dilate``, Note [Gathers as calls] in ``ops.py``), which
+branch into a buffer of its own (``ops.dilate``, Note [Gathers as calls]), which
 every block, head chunk and ring step reads by views: 1/r of the input it comes from.
 
 Note [Gradient sums of a ring step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The blocks of one backward ring step read disjoint key parts of the K/V held (the table of Note
-[Ring schedule] in ``schedule.py``), so the step's share of dK/dV is each block's dk, dv put at
+[Ring schedule]), so the step's share of dK/dV is each block's dk, dv put at
 its rows; added to the accumulators that arrived, it leaves for the next rank. Those sums, and
 the branch's dq over the steps, are ``ops.add_rows`` calls: each adds a block's gradient into a
 copy of the running sum at the block's rows (zeros where no sum exists yet). As pointwise ops
@@ -196,8 +196,7 @@ def _dilated(
 ) -> list[torch.Tensor]:  # fmt: skip
     """``xs (B, H, n[, C])`` in a branch's kernel layout ``(B*nseg, H', m[, C])`` or, with
     ``rows``, a ring branch's ``(B, H', nseg*m[, C])`` (Note [Rows of a ring branch]): views
-    where the rows stay in place, else one ``ops.dilate`` call each (Note [Gathers as calls] in
-    ``ops.py``).
+    where the rows stay in place, else one ``ops.dilate`` call each (Note [Gathers as calls]).
     In ``dtype``: by default the compute dtype, but for a ring's K/V, which travel in the input
     dtype (upcast per block, ``_kv_rows``)."""
     dtype = dtype or (plan.dtype if kv and rows else plan.compute_dtype)
@@ -219,7 +218,7 @@ def _undilate_add(
     plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False, start=0, zero=None
 ) -> torch.Tensor:  # fmt: skip
     """``total`` with ``y``, a branch's dilated gradient (``_dilated``'s layout), added at its rows,
-    in place (Note [Gradient sums as calls] in ``ops.py``); where ``total`` is None, a new one of
+    in place (Note [Gradient sums as calls]); where ``total`` is None, a new one of
     ``y``'s heads in ``stat_dtype``, in which contributions add up (docs/semantics.md, Accuracy), or
     ``y`` itself where its rows are the site's (rate 1, no padding, one segment or a ring's rows).
     ``y``'s heads are ``total``'s from ``start`` on; with ``zero`` they are written, not added to."""
@@ -278,7 +277,7 @@ def _kv_and_bias(kv: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tens
 
 def _drop(plan: SitePlan, seed: torch.Tensor | None, *block: int) -> tuple:
     """The dropout arguments of one block call, none without dropout: the block is named by this
-    rank and its place in the site (Note [Dropout in blocks] in ``kernels.py``)."""
+    rank and its place in the site (Note [Dropout in blocks])."""
     return (plan.dropout, seed, [plan.rank, *block]) if plan.dropout else ()
 
 
@@ -296,7 +295,7 @@ def _band_args(
     plan: SitePlan, branch: BranchPlan, block: Block, like: torch.Tensor, docs: torch.Tensor | None = None,
     heads: slice = slice(None),
 ) -> dict:  # fmt: skip
-    """The mask arguments of one block call (Note [Bands] in ``program.py``), as the program
+    """The mask arguments of one block call (Note [Bands]), as the program
     decided them
     (``program._block``): none for a full block; for a partial one ``band``, the rows'
     positions ``qpos`` and ``kpos`` and, with documents, ``qdoc`` and ``kdoc`` of the block's
@@ -382,8 +381,8 @@ def _chunk_kv(k_dilated, v_dilated, bias, qh: slice, kh: slice) -> list[torch.Te
 
 @dataclasses.dataclass
 class _Inputs:
-    """A site call's inputs on this rank: padded (Note [Padding the sequence] in
-    ``passes/rewrite_sdpa.py``) and, in replicated
+    """A site call's inputs on this rank: padded (Note [Padding the sequence])
+    and, in replicated
     mode, this rank's shard of them; ``docs`` whole (padded)."""
 
     q_padded: torch.Tensor
@@ -412,7 +411,7 @@ class _Inputs:
 
 
 class _Call:
-    """A site call running its program (Note [The site program] in ``program.py``), one step at
+    """A site call running its program (Note [The site program]), one step at
     a time: each step type has its method (``Start`` runs ``start``); a block runs as a local
     branch in place, a local branch's rows, or a ring's."""
 
@@ -594,7 +593,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     site's transfers (``comm/calls.py``, ``site_token``), ``seed`` (with dropout) fixes this call's dropout,
     ``real`` (a 0-d int64 tensor) counts the real positions of a causal sequence padded to a
     length bucket (``passes/bucket_lengths.py``). Runs the plan's forward program (Note [The site
-    program] in ``program.py``)."""
+    program])."""
     rotater = Rotater(plan.group_name, token)
     run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, real=real), seed)
     for step in build(plan, "forward").steps:
@@ -925,8 +924,7 @@ class _Backward(_Call):
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None, real=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
-    token and the seed): the plan's backward program run (Note [The site program] in
-    ``program.py``)."""
+    token and the seed): the plan's backward program run (Note [The site program])."""
     with role("p2p"):
         rotater = Rotater(plan.group_name, token)
         if token is not None:

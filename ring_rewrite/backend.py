@@ -246,8 +246,8 @@ def _apply(obj: T, *, config: RingDilatedConfig) -> T:
 def register() -> None:
     """Register the ``"ring_dilated"`` backend with dynamo; ``import ring_rewrite`` calls it.
 
-    Installs the recompile-limit check first (Note [Recompile limit] in
-    ``ring_rewrite/recompiles.py``), then registers ``ring_dilated_backend`` under the name
+    Installs the recompile-limit check first (Note [Recompile limit]),
+    then registers ``ring_dilated_backend`` under the name
     ``"ring_dilated"`` unless the name is registered already or the package's
     ``torch_dynamo_backends`` entry point is loading it now (it registers the name itself).
     Calling it again does nothing.

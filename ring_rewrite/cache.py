@@ -1,6 +1,5 @@
 """A Hugging Face KV cache that stays sharded: each rank keeps the keys and values of its own part
-of the sequence, and decode steps merge the ranks' partial results (Note [A sharded KV cache] in
-``ring_rewrite/decode.py``).
+of the sequence, and decode steps merge the ranks' partial results (Note [A sharded KV cache]).
 
 ``prefill`` runs a model compiled in sharded mode over a prompt cut across the ranks and returns
 the ``ShardedCache`` it filled; ``model.generate`` then continues from it, every rank feeding the
@@ -32,7 +31,7 @@ __all__ = ["ShardedCache", "prefill"]
 # The prefill pads the prompt (to a bucket, and to a multiple of the shards) and cuts it by the
 # layout, so the padding lands on some ranks only: a contiguous cut of 516 tokens padded to 1,024
 # over 4 ranks leaves ranks 0 and 1 256 prompt tokens each, rank 3 none. A decode step attends
-# each rank's keys at the positions the cache names (Note [A sharded KV cache] in ``decode.py``),
+# each rank's keys at the positions the cache names (Note [A sharded KV cache]),
 # so which rank holds a key changes nothing but the order of a sum. After the prefill the ranks
 # even out: every rank keeps at most ``ceil(N / P)`` prompt tokens (N those the prefill ran), a
 # rank above it sends its surplus to the ranks below (one batch of point-to-point transfers per
@@ -98,7 +97,7 @@ class ShardedLayer(DynamicLayer):
 
 class ShardedCache(Cache):
     """A transformers ``Cache`` whose every layer holds this rank's part of the keys and values
-    (Note [A sharded KV cache] in ``ring_rewrite/decode.py``). Made and filled by ``prefill``;
+    (Note [A sharded KV cache]). Made and filled by ``prefill``;
     ``model.generate(..., cache=cache)`` goes on from it."""
 
     def __init__(self, *, group=None, layout: str = "contiguous"):

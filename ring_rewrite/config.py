@@ -66,7 +66,7 @@ class RingDilatedConfig:
             positive and below ``1e12``. It must cover a peer's compile: the backward compiles
             at the first ``.backward()`` while the other ranks wait. Over NCCL the host does not
             wait for a transfer: the process group's own timeout bounds it, and this one the
-            headers (Note [The CUDA transport] in ``comm/transfers.py``). Default: ``300.0``.
+            headers (Note [The CUDA transport]). Default: ``300.0``.
         disable_passes (Sequence[str]): normalising passes not to run, by name:
             ``"attention_modules"`` (spells ``nn.MultiheadAttention`` /
             ``nn.TransformerEncoderLayer`` out as SDPA), ``"length_buckets"``. The SDPA rewrite

@@ -38,7 +38,7 @@ The choice is made at run time, per block, inside the ops, so a compiled graph d
 it, and ranks need not share it: every candidate computes the same function to float32's rounding
 (the check), so ranks that chose differently still compute one site. It covers the blocks of
 ``block_attention`` and its backward (ring steps, gathered local branches). A local branch run in
-place (Note [Local branches in place] in ``attention.py``) has no aten form: it runs the fastest
+place (Note [Local branches in place]) has no aten form: it runs the fastest
 build of ours for its class, measured among those alone (``ours`` where aten is forced). Float64
 blocks and blocks with a bias have one candidate, aten's. ``explain()`` prints the decisions of
 the process (``describe``).

@@ -22,7 +22,7 @@ No BLAS is called, so the build needs nothing of torch's. The vector width and t
 target (AVX-512, AVX2, NEON, SSE), and a flag selects others (``VARIANTS``): AVX2's width on an
 AVX-512 CPU (``-mno-avx512f``), register tiles of 2 vectors, so 32-row query tiles, with AVX-512
 (``-DRR_QV=2``), key tiles of 128 (``-DRR_TK=128``). Which of these builds and aten's kernel runs
-a block is measured on the machine (Note [Choosing the CPU block kernel] in ``cpu_choice.py``):
+a block is measured on the machine (Note [Choosing the CPU block kernel]):
 no one of them is fastest on every CPU. ``tests/test_kernel_choice.py`` checks every build this
 CPU can run against float64 (SSE's, ``-mno-avx``, too); ``benchmarks/kernels.py`` times each.
 Threads are torch's OpenMP runtime at ``torch.get_num_threads()``: forward, a task per (batch,
@@ -34,7 +34,7 @@ It writes ``out``, ``dq``, ``dk`` and ``dv`` contiguous (no copy out of another 
 GQA's kv heads in place and takes ``d != dv`` as they are. Both ways it also reads and writes
 every operand at a layout of the caller's: a local branch's lattice rows inside the
 site's own tensors, segments as batches and each kernel head's offset of its own
-(``forward_in_place``, ``backward_in_place``; Note [Local branches in place] in ``attention.py``);
+(``forward_in_place``, ``backward_in_place``; Note [Local branches in place]);
 forward it then merges its rows into the out and lse they hold, backward it adds its gradients to
 theirs.
 
@@ -252,8 +252,8 @@ def candidates() -> dict[str, cpu_choice.Candidate]:
 
 @functools.cache
 def choice_path() -> str:
-    """The file of this machine's kernel choices (Note [Choosing the CPU block kernel] in
-    ``cpu_choice.py``): beside the libraries, named by the CPU's model name and flags, torch's
+    """The file of this machine's kernel choices (Note [Choosing the CPU block kernel]):
+    beside the libraries, named by the CPU's model name and flags, torch's
     version, the kernel's source and the choice's own (how it measures)."""
     model, flags = cpu_choice.machine()
     with open(cpu_choice.__file__, "rb") as f:
@@ -306,7 +306,7 @@ def forward_in_place(results, inputs, layouts: list[list[int]], sizes: list[int]
     into: the attention over both key sets, a row of lse ``-inf`` holding none) at the
     ``layouts`` of ``flash_cpu.c``'s header (``backward_in_place``'s); ``sizes`` of the kernel
     layout. Runs the fastest build of ours for the blocks' class (Note [Choosing the CPU block
-    kernel] in ``cpu_choice.py``)."""
+    kernel])."""
     tensors = (*inputs, *results)
     variant = _fastest(sizes, is_causal).forward
     _forward(variant, [(t, _strides(t, s)) for t, s in zip(tensors, layouts)], sizes, nseg, scale, is_causal, merge)

@@ -88,7 +88,7 @@ def decode_attention(
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # After a prefill in sharded mode each rank holds the keys and values of its part of the prompt
 # (``ring_rewrite.cache.ShardedCache``): ceil(N / P) tokens, at the positions the cache names
-# (Note [An even cache] in ``cache.py``). Every rank runs each decode step with the same new tokens, so the step's queries are the
+# (Note [An even cache]). Every rank runs each decode step with the same new tokens, so the step's queries are the
 # same everywhere; each rank computes, for the rows of the function, the partial result over its
 # keys and its log-sum-exp (``decode_attention`` at the keys' positions), and one all-gather of
 # ``(out, lse)``, m rows per head, merges them (``merge_partials``): exact, as a ring step's merge

@@ -247,7 +247,7 @@ class BranchLayout:
         (per head its segments one after another) instead of ``(B*nseg, H', m, C)``.
 
         One strided copy per kernel head (its head and lattice offset are Python ints here, not
-        constants of generated code: Note [Gathers as calls] in ``ops.py``); rows past the
+        constants of generated code: Note [Gathers as calls]); rows past the
         sequence (``padded > n``) get ``fill``.
         """
         out = x.new_empty(self.gathered_shape(x.shape[0], x.shape[-1], kv=kv, rows=rows), dtype=dtype)
@@ -272,7 +272,7 @@ class BranchLayout:
         (written, where every position gets one row: rate 1, no padding).
 
         Kernel heads add one after another, so two that read the same rows (a kv head serving
-        query heads of one offset) both count (Note [Gradient sums as calls] in ``ops.py``).
+        query heads of one offset) both count (Note [Gradient sums as calls]).
         """
         write = zero and self.r == 1 and self.padded == self.n
         if zero and not write:

@@ -378,8 +378,7 @@ class RingTrainer(_RingMixin, transformers.Trainer):
     averages the gradients over every rank, and the losses are scaled so that the result is the
     gradient of one process on the whole global batch, with gradient accumulation too; the
     evaluation loss, predictions and metrics are those of the whole sequences; logs and
-    checkpoints are written once, by rank 0 (Note [Trainer on a (dp, cp) mesh] in
-    ``ring_rewrite/hf.py``).
+    checkpoints are written once, by rank 0 (Note [Trainer on a (dp, cp) mesh]).
 
     Args:
         *args, **kwargs: ``transformers.Trainer``'s (``model``, ``args``, ``data_collator``,

@@ -9,8 +9,7 @@ An entry's ``forward`` returns ``(out, lse)`` with ``lse`` in natural log, shape
 any float dtype; what it reports for a row with nothing to attend does not matter (the op sets
 ``-inf`` there). Its ``backward`` gets the *merged* ``out`` and ``lse`` of each row, with ``+inf``
 for a row with nothing to attend, and returns this block's exact share of ``dq, dk, dv``,
-contiguous, in the inputs' dtypes (Note [Backward from the merged statistics] in
-``attention.py``).
+contiguous, in the inputs' dtypes (Note [Backward from the merged statistics]).
 
 Note [Dropout in blocks]
 ~~~~~~~~~~~~~~~~~~~~~~~~

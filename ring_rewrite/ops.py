@@ -8,13 +8,13 @@
 ``(B, Hq, L)`` in natural log and is ``-inf`` for a row with nothing to attend (the CPU flash
 kernel reports 0 there). Each device's kernel comes from ``kernels.py``. With ``dropout_p > 0``
 the block's probabilities drop, each with that probability, by a mask that the int64 ``seed``
-and the block's identifier ``block`` fix (Note [Dropout in blocks] in ``kernels.py``).
+and the block's identifier ``block`` fix (Note [Dropout in blocks]).
 
 ``block_attention_backward(dout, q, k, v, out, lse, bias, scale, is_causal[, dropout_p, seed,
 block])`` is the fused
 attention backward. Called with the *merged* ``out`` and ``lse`` of a row (the softmax over every
 block the row attends to), it returns this block's exact share of the gradient
-(Note [Backward from the merged statistics] in ``attention.py``); rows whose ``lse`` is
+(Note [Backward from the merged statistics]); rows whose ``lse`` is
 ``+inf`` contribute nothing.
 
 ``dilated_block_attention(out, lse, q, k, v, layout, scale, is_causal, write[, real])`` is
@@ -22,24 +22,24 @@ block the row attends to), it returns this block's exact share of the gradient
 tensors and merging (with ``write``: writing) its results into the site's ``out`` and ``lse``,
 and ``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale, is_causal,
 write[, real])`` their backward, adding (with ``write``: writing) the gradients into the site's,
-in place (Note [Local branches in place] in ``attention.py``); with ``real``, a causal site's
+in place (Note [Local branches in place]); with ``real``, a causal site's
 count of real positions in a sequence padded to a length bucket, only the blocks' real rows.
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls])
 and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back, in place (Note
 [Gradient sums as calls]). ``after(x, deps)`` and ``write_heads(total, x, start)`` order the
-local branches' gradient sums (Note [Head chunks of local branches] in ``site_plan.py``);
+local branches' gradient sums (Note [Head chunks of local branches]);
 ``add_rows(total, x, start, rows, dtype)`` sums a ring step's gradients (Note [Gradient sums of a
-ring step] in ``attention.py``).
+ring step]).
 
 With ``qbias (B|1, H|1, L)``, the key bias at each query row's own position, both ops add the
 key bias less the row's own, in chunks of query rows, and the lse is relative to it (Note
-[Recentred key biases] in ``attention.py``).
+[Recentred key biases]).
 
 With ``band = [lo, hi]`` (``BAND_OPEN`` for an open end) and the rows' positions ``qpos (L,)``,
 ``kpos (S,)``, both ops let key ``t`` reach query ``p`` only if ``lo <= kpos[t] - qpos[p] <= hi``
 (and ``t <= p`` when causal): the mask is built per chunk of query rows, at most ``BAND_CHUNK``
-scores at a time (Note [Bands] in ``program.py``).
+scores at a time (Note [Bands]).
 
 Note [Gathers as calls]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -64,7 +64,7 @@ q), and is added to the local branches' sums of each head chunk.
 As torch ops (an undilation with zeros off the lattice, an ``index_add`` for kv heads not
 shared), inductor would fuse the sum of every branch into kernels per head chunk of the local
 branches, with the chunk's lattice offsets baked in, and hold every branch's gradients until
-they ran (Note [Memory of a site] in ``report.py``). As calls the backward compiles no kernel
+they ran (Note [Memory of a site]). As calls the backward compiles no kernel
 per chunk, and a branch's gradients are freed once added. The forward's merge
 stays pointwise (docs/semantics.md, The rewritten graph): it weighs each branch's out by every
 branch's lse.
@@ -117,8 +117,8 @@ def _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block):
 
 
 BAND_CHUNK = 1 << 22
-"""Scores per chunk of query rows when a band or a row's own bias is applied (Note [Bands] in
-``program.py``, Note [Recentred key biases] in ``attention.py``)."""
+"""Scores per chunk of query rows when a band or a row's own bias is applied (Note [Bands],
+Note [Recentred key biases])."""
 
 
 def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
@@ -127,7 +127,7 @@ def _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias):
     band (and above the diagonal when causal), and between different documents.
 
     A row's own bias that masks (``-inf``, transformers' ``finfo.min`` fill: a padded position;
-    Note [Fills that mask] in ``numerics.py``) is taken as 0; any constant of a row gives the
+    Note [Fills that mask]) is taken as 0; any constant of a row gives the
     same softmax."""
     lo, hi, relation = _band(band) if band is not None else (None, None, None)
     if is_causal:
@@ -274,7 +274,7 @@ def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None,
 def after(x: torch.Tensor, deps: list[torch.Tensor]) -> torch.Tensor:
     """A copy of ``x`` that exists only once ``deps`` do: whatever reads it runs after the
     compute of ``deps``, where nothing else would order a compiler's schedule (Note [Head chunks
-    of local branches] in ``attention.py``). ``x`` should be small: an op's output may not alias
+    of local branches]). ``x`` should be small: an op's output may not alias
     its input, so it is copied."""
     return x.clone(memory_format=torch.contiguous_format)
 
@@ -288,15 +288,14 @@ def _(x, deps):
 def write_heads(total: torch.Tensor, x: torch.Tensor, start: int) -> None:
     """``x`` copied into heads ``[start, start + x.shape[1])`` (dim 1) of ``total``, in place:
     a chunk's result lands in the site's result without a concatenation that would hold every
-    chunk's (Note [Head chunks of local branches] in ``site_plan.py``)."""
+    chunk's (Note [Head chunks of local branches])."""
     total.narrow(1, start, x.shape[1]).copy_(x)
 
 
 @torch.library.custom_op("ring_rewrite::add_rows", mutates_args=())
 def add_rows(total: torch.Tensor | None, x: torch.Tensor, start: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """``total (B, H, rows, C)`` (zeros where None) plus ``x (B, H, L, C)`` at rows ``[start,
-    start + L)``, in ``dtype``: a ring step's gradient sums (Note [Gradient sums of a ring step]
-    in ``attention.py``)."""
+    start + L)``, in ``dtype``: a ring step's gradient sums (Note [Gradient sums of a ring step])."""
     if total is None:
         out = x.new_zeros((*x.shape[:2], rows, x.shape[3]), dtype=dtype)
     else:
@@ -379,7 +378,7 @@ class KernelCall:
 def kernel_calls(lay: BranchLayout, real: torch.Tensor | int | None, is_causal: bool) -> list[KernelCall]:
     """The kernel calls of a local branch in place: every segment whole, or with ``real`` (the
     count of real positions of a causal sequence padded to a length bucket: Note [Padding to a
-    bucket] in ``passes/bucket_lengths.py``) the segments that hold real rows, the last cut to
+    bucket]) the segments that hold real rows, the last cut to
     each head's real rows (and keys: causal rows attend no later key), heads of the same count
     in one call. A row past them is padding and is neither read nor written."""
     if real is None or not is_causal:

@@ -119,7 +119,7 @@ class Start:
 class Wait:
     """The transfer ``tag`` waited for, after the blocks it overlaps: those of ``after``, a
     ``(branch, head chunk, ring step)``, or (None) the local branches' (Note [Overlap across
-    branches] in ``attention.py``)."""
+    branches])."""
 
     tag: Tag
     after: tuple[int, int, int] | None
@@ -150,7 +150,7 @@ class Block:
     block's ``band`` is ``(lo, hi)`` of ``t - p`` (None: open), ``documents`` the relation of the
     rows' document ids; ``q_starts`` / ``k_starts`` are the positions of each part's first row,
     ``stride`` the distance between rows (the rate). ``in_place``: a local branch that reads its
-    rows where they lie (Note [Local branches in place] in ``attention.py``). ``times``: how
+    rows where they lie (Note [Local branches in place]). ``times``: how
     many head chunks' blocks it stands for in a folded program (``build``)."""
 
     branch: int
@@ -206,8 +206,7 @@ class Block:
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """Head chunk ``chunk`` of a ring branch begins: its query heads ``[q0, q1)`` and dilated
-    kv heads ``[k0, k1)`` taken, as views, from the branch's rows (Note [Head chunks] in
-    ``attention.py``)."""
+    kv heads ``[k0, k1)`` taken, as views, from the branch's rows (Note [Head chunks])."""
 
     branch: int
     chunk: int
@@ -244,8 +243,7 @@ class Merge:
 @dataclasses.dataclass(frozen=True)
 class Land:
     """A ring head chunk's dK/dV home: the accumulator that came back on its last hop plus the
-    share of the owner's own K/V, which never left (Note [Backward from the merged statistics]
-    in ``attention.py``)."""
+    share of the owner's own K/V, which never left (Note [Backward from the merged statistics])."""
 
     branch: int
     chunk: int
@@ -479,7 +477,7 @@ def _backward(plan: SitePlan, folded: bool) -> list[Step]:
 
 def _locals_backward(plan: SitePlan) -> list[Step]:
     """The local branches' backward, in place or one head chunk after another (Note [Head
-    chunks of local branches] in ``attention.py``), each chunk's sums with the rings' dq of its
+    chunks of local branches]), each chunk's sums with the rings' dq of its
     heads; with several chunks each chunk's sums then go into the site's gradients."""
     local, rings = _locals(plan), _rings(plan)
     if plan.local_in_place:
@@ -503,8 +501,8 @@ def _locals_backward(plan: SitePlan) -> list[Step]:
 
 
 def _ring_backward(plan: SitePlan, i: int, branch: BranchPlan, folded: bool) -> list[Step]:
-    """One ring branch's backward, head chunk by head chunk (Note [Head chunks] in
-    ``attention.py``): K/V go round again; dK/dV follow one step behind, from the first rank
+    """One ring branch's backward, head chunk by head chunk (Note [Head chunks]):
+    K/V go round again; dK/dV follow one step behind, from the first rank
     that holds them, and a chunk's last hop home lands during the next chunk's first step.
     Folded: each kind of transfer once, then the first chunk's blocks."""
     last = len(branch.ring) - 1

@@ -57,7 +57,7 @@ class RecompileLimitError(RuntimeError):
     (or ``torch.compile(..., recompile_limit=...)``) above the number of distinct shapes run, or
     pad inputs to a few lengths. It is raised from dynamo's ``FailOnRecompileLimitHit``
     (``__cause__``). Other backends' functions fall back as dynamo has it (Note [Recompile
-    limit] in ``ring_rewrite/recompiles.py``); with ``torch._dynamo.config.suppress_errors=True``
+    limit]); with ``torch._dynamo.config.suppress_errors=True``
     dynamo swallows it, as it swallows every compile error. A subclass of ``RuntimeError``.
 
     Example::

@@ -9,10 +9,10 @@ and backward bodies. Three facts of the generated code set it:
 * The forward's merge is pointwise, so inductor computes it in one kernel at the end, and every
   branch's dilated out and lse wait for it; within a ring the same holds for a head chunk: the
   out of every block of every step waits for its last step. Local branches run in place merge
-  into a running out and lse as they attend (Note [Local branches in place] in
-  ``attention.py``): site-sized from the first on, the one partial that the rings' join. The backward's gradients are added
+  into a running out and lse as they attend (Note [Local branches in place]):
+  site-sized from the first on, the one partial that the rings' join. The backward's gradients are added
   to the site's sums in place, branch by branch (``ops.undilate_add``, Note [Gradient sums as
-  calls] in ``attention.py``): a branch's dilated dq, dk, dv are gone once added. The sums, in
+  calls]): a branch's dilated dq, dk, dv are gone once added. The sums, in
   ``stat_dtype``, exist from the first branch that adds to them on (a lone rate-1 branch's
   gradients are the sums themselves). A ring's dq and dK/dV are summed block by block
   (``ops.add_rows``: Note [Gradient sums of a ring step] there) and wait, dilated, for the local
@@ -29,7 +29,7 @@ and backward bodies. Three facts of the generated code set it:
   site's dq, dk, dv, which their blocks write and add to (and forward, no dilated copies).
 * Ring branches run first and in order (the token chains their transfers). Local branches need
   no token and come after them (the order is read from the site's program, ``_order``, and a
-  ring's blocks from its steps: Note [The site program] in ``program.py``); forward, in an order inductor picks for a low peak
+  ring's blocks from its steps: Note [The site program]); forward, in an order inductor picks for a low peak
   (``memory.py``'s ``reorder_for_peak_memory``), counted here as the order that holds least: the
   largest working set first. A branch runs holding the results of those before it. Backward,
   the sums order them as the plan does.
@@ -45,7 +45,7 @@ So the backward peak is ``saved`` plus the largest of
 
 * a ring branch running: the earlier rings' gradients, its head chunks done,
   its dilated copies (q, dout, out, lse, K/V at r > 1, gathered once: Note [Rows of a ring
-  branch] in ``attention.py``) and one chunk's buffers: K/V held and arriving, the dK/dV share
+  branch]) and one chunk's buffers: K/V held and arriving, the dK/dV share
   kept home, the accumulator that arrived and the next, the dq sum and its next copy, the
   largest block's kernel gradients and scratch;
 * a local branch running: the rings' gradients, the sums so far, its dilated copies (the same,
@@ -64,8 +64,7 @@ So the backward peak is ``saved`` plus the largest of
 The forward peak is the same with outs for gradients. Not counted: the block kernel's per-thread
 tiles (ours: about 0.5 MiB a thread at 64 dims, backward, and 8 bytes for each query row of a
 kv head's group; about 1 MiB for aten's), what the allocator keeps after frees (small tensors in glibc's heap), and the CUDA
-kernel's own workspace (the CPU kernel's scratch stands in for it, Note [The CUDA kernels]
-in ``kernels.py``).
+kernel's own workspace (the CPU kernel's scratch stands in for it, Note [The CUDA kernels]).
 ``benchmarks/ring_memory.py`` and ``benchmarks/scale.py`` print the estimate beside the
 measured peaks.
 """
@@ -320,8 +319,7 @@ def _local_work(plan: SitePlan, branch, backward: bool) -> int:
 
 def _order(plan: SitePlan) -> tuple[list, list]:
     """The ring branches and the local branches in the order the backward program runs them
-    (rings first, their last hops home after the local branches: Note [Overlap across branches]
-    in ``attention.py``)."""
+    (rings first, their last hops home after the local branches: Note [Overlap across branches])."""
     program = _counted(plan, "backward")
     order = [s.branch for s in program.steps if isinstance(s, Block)]
     branches = [plan.branches[i] for i in dict.fromkeys(order)]
@@ -460,7 +458,7 @@ def _ranks(ranks) -> str:
 
 
 def _causal(plan: SitePlan) -> str:
-    """``is_causal`` and the band a mask read from the graph adds (Note [Bands] in ``program.py``)."""
+    """``is_causal`` and the band a mask read from the graph adds (Note [Bands])."""
     if plan.band is None:
         return str(plan.is_causal)
     lo, hi = plan.band
@@ -491,7 +489,7 @@ class Report:
     Ranks are global. ``str(report)`` is a ``tabulate`` table under a one-line summary
     (``ring_rewrite: no attention site found`` when there are no records) and, where a site runs
     on CPU, a line saying which block kernel runs its blocks and why (Note [Choosing the CPU block
-    kernel] in ``cpu_choice.py``).
+    kernel]).
 
     Args:
         records (list[SiteRecord]): the site records, as a backend's ``.records`` or
@@ -569,8 +567,8 @@ class Report:
 
 
 def _kernel_line(plans: list[SitePlan]) -> str | None:
-    """Which kernel runs the CPU blocks of ``plans`` and why (Note [Choosing the CPU block kernel]
-    in ``cpu_choice.py``); None without a CPU plan."""
+    """Which kernel runs the CPU blocks of ``plans`` and why (Note [Choosing the CPU block kernel]);
+    None without a CPU plan."""
     plans = [p for p in plans if p.device == "cpu"]
     if not plans:
         return None

@@ -58,7 +58,7 @@ class BranchPlan:
     layout: BranchLayout
     ring: tuple[int, ...]
     """Ranks of the (sub-)ring in ring order, as ranks of the site's process group (Note [Group
-    ranks] in ``comm/groups.py``); one rank for a local branch."""
+    ranks]); one rank for a local branch."""
     position: int
     """This rank's index in ``ring``."""
     steps: tuple[tuple[Parts, ...], ...]

@@ -90,19 +90,17 @@ class SitePlan:
     layout: str
     branches: tuple[BranchPlan, ...]
     pad: int = 0
-    """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence] in
-    ``passes/rewrite_sdpa.py``):
+    """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence]):
     ``n`` counts them; the site's inputs and outputs have ``n - pad`` tokens."""
     dropout: float = 0.0
-    """Probability that an attention probability drops (Note [Dropout in blocks] in
-    ``kernels.py``); the site's calls then take a ``seed``."""
+    """Probability that an attention probability drops (Note [Dropout in blocks]);
+    the site's calls then take a ``seed``."""
     ranks: tuple[int, ...] = (0,)
     """The global rank of each rank of the group (``ranks[rank]`` is this process): what the
-    report names. Rings and transfers speak group ranks (Note [Group ranks] in ``comm/groups.py``)."""
+    report names. Rings and transfers speak group ranks (Note [Group ranks])."""
     band: tuple[int | None, int | None] | None = None
     """``(lo, hi)``: key ``t`` reaches query ``p`` only if ``lo <= t - p <= hi`` (None: open), on
-    top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands] in
-    ``program.py``)."""
+    top of ``is_causal`` (a mask read from the graph, ``passes/masks.py``; Note [Bands])."""
     documents: str | None = None
     """Key ``t`` reaches query ``p`` only if ``doc[t] <documents> doc[p]`` (``eq``: the same
     document; ``le``: block-causal; ``ops.RELATIONS``): the site's calls take ``docs (B|1, 1, N,

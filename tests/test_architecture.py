@@ -192,6 +192,20 @@ def test_every_note_referred_to_is_defined():
     assert not dangling, "Notes referred to but written nowhere:\n" + "\n".join(sorted(set(dangling)))
 
 
+_WITH_FILE = re.compile(r"\bNote\s+\[[^\]]+\]\s+in\s+`+[\w/.\-]+\.(?:py|md|c)`+")
+
+
+def test_notes_are_referred_to_by_their_title_alone():
+    """A Note's title is unique (above), so a reference names no file: one that did would go
+    stale when the Note moves with its code."""
+    found = [
+        f"{path.relative_to(ROOT)}: {' '.join(match.group().split())}"
+        for path in SOURCES
+        for match in _WITH_FILE.finditer(_LINE_START.sub(" ", path.read_text()))
+    ]
+    assert not found, "refer to a Note by its title:\n" + "\n".join(found)
+
+
 # Spelled in pieces so that this file does not match itself.
 _OUTSIDE = ("../" + "shared", "SPEC" + " §", "SPEC" + ".md", "FINDINGS" + ".md")
 

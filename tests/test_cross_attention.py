@@ -1,6 +1,5 @@
 """Self or cross attention, decided by the graph's data flow, not by equal lengths
-(docs/semantics.md, Self and cross attention; Note [Self or cross attention] in
-``passes/find_sdpa.py``)."""
+(docs/semantics.md, Self and cross attention; Note [Self or cross attention])."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The CPU entry's numerics are tested through the ops (``test_ops.py``) and the ring. The CUDA
 entry's are tested by ``test_cuda.py`` on a GPU; here, without one, only its shapes are checked,
-on meta tensors (Note [The CUDA kernels] in ``kernels.py``).
+on meta tensors (Note [The CUDA kernels]).
 """
 
 from __future__ import annotations

@@ -510,8 +510,8 @@ def test_block_causal_matches_reference(segs, rates, compiler):
 
 def test_ids_of_chunks_that_do_not_divide_the_length_are_whole_under_inductor():
     """``arange(59) // 14``, the ids the rewrite computes for chunks of 14 over 59 positions:
-    inductor's loop split wrote 56 of them and left 3 stale (Note [Inductor's loop split] in
-    ``ring_rewrite/inductor_fixes.py``). Alone, compiled anew each time, with fresh memory."""
+    inductor's loop split wrote 56 of them and left 3 stale (Note [Inductor's loop split]).
+    Alone, compiled anew each time, with fresh memory."""
     import ring_rewrite
 
     for _ in range(3):

@@ -1,7 +1,7 @@
 """Non-finite inputs: a NaN, ``+inf`` or ``-inf`` in q, k, v or a float key mask reaches, forward
 and backward, exactly the entries it reaches in the float64 function (NaN where it is NaN, each
 inf where it is that inf), and the finite entries stay within bound (docs/semantics.md,
-Accuracy; Note [Non-finite values] in ``ring_rewrite/cpu_kernel.py``). Every path: our CPU kernel
+Accuracy; Note [Non-finite values]). Every path: our CPU kernel
 (blocks read in place and merged there, gathered blocks, the local branches' head chunks,
 backward tasks shared by threads), aten's kernel (float64, a mask), the log-sum-exp merges, all
 under inductor on one process, and the ring across 2 gloo ranks under inductor (blocks, merges,

@@ -306,7 +306,7 @@ def test_bf16_gradients_where_q_and_k_share_an_offset(config):
     """bfloat16 q and k sharing an offset (scores about 100): the true dq and dk cancel it, and
     a backward that reads out rounded to bfloat16 leaves them that rounding times |k| and |q|
     (aten's flash kernel does: tens of times its math kernel's error). Ours reads out as its
-    blocks computed it (Note [Backward from the merged statistics] in ``attention.py``): within
+    blocks computed it (Note [Backward from the merged statistics]): within
     2x of SDPA's math kernel computing the same function."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -453,8 +453,8 @@ def test_dynamic_sequence_length_compiles_one_graph_per_bucket(config, is_causal
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("config", [CONFIGS["exact"], ([8, 32], [1, 4])], ids=["exact", "dilated"])
 def test_bucketed_causal_site_computes_only_real_rows(config, compiler, monkeypatch):
-    """A causal site padded to its bucket (Note [Padding to a bucket] in
-    ``passes/bucket_lengths.py``): the local branches' kernel calls cover each head's real rows
+    """A causal site padded to its bucket (Note [Padding to a bucket]):
+    the local branches' kernel calls cover each head's real rows
     only, forward and backward, one graph for the bucket, and the results are the reference's."""
     from ring_rewrite import cpu_kernel
 

@@ -197,7 +197,7 @@ _LAYOUT_IDS = lambda f: "w{}r{}b{}h{}kv{}o{}".format(*f[:2], *f[3:])  # noqa: E7
 @pytest.mark.parametrize("fields", IN_PLACE_LAYOUTS, ids=_LAYOUT_IDS)
 def test_dilated_block_attention_merges_a_branch_in_place(fields, is_causal):
     """A local branch's blocks read where the rows lie, their results merged into the site's
-    running out and lse in place (Note [Local branches in place] in ``attention.py``): at the
+    running out and lse in place (Note [Local branches in place]): at the
     branch's rows, attention over both key sets (float64, aten's kernel on the gathered rows,
     merged by ``logaddexp``); rows whose lse is ``-inf`` held nothing and take the branch's;
     every other position is untouched. With ``write`` (rate 1) every position is written."""
@@ -246,7 +246,7 @@ def _undilated(layout, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fields", IN_PLACE_LAYOUTS, ids=_LAYOUT_IDS)
 def test_dilated_block_backward_adds_a_branchs_gradients_in_place(fields, is_causal):
     """A local branch's backward read where its rows lie and added into the site's gradients
-    (Note [Local branches in place] in ``attention.py``) is the gathered one (float64, aten's
+    (Note [Local branches in place]) is the gathered one (float64, aten's
     kernel, ``BranchLayout.scatter_add``), on inputs laid out ``(B, N, H, D)`` as a model's
     projections are; with ``write`` (rate 1) the totals are written. Rows whose lse is infinite
     add nothing."""

@@ -1,4 +1,4 @@
-"""A site's program (Note [The site program] in ``ring_rewrite/program.py``) lists exactly what
+"""A site's program (Note [The site program]) lists exactly what
 the traced bodies do: every transfer in order with its tag, shapes, dtypes and peers, and every
 block call in order, on every rank; and the ranks' programs agree without compiling anything."""
 

@@ -1,5 +1,4 @@
-"""Inductor's lowering of a ring transfer (Note [Buffers in flight] in
-``ring_rewrite/comm/transfers.py``)."""
+"""Inductor's lowering of a ring transfer (Note [Buffers in flight])."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What the ring exchanges in collectives, each with a deadline, and the recovery of the
-transfers a failed call left (Note [Calls, deadlines and recovery] in
-``ring_rewrite/comm/calls.py``)."""
+transfers a failed call left (Note [Calls, deadlines and recovery])."""
 
 from __future__ import annotations
 

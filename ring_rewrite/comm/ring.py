@@ -30,7 +30,7 @@ messages then pair up wrong without an error. So every op of ``ring_rewrite/comm
   transfer) instead of pairing the wrong buffers.
 
 Why not ``EffectType.ORDERED``: a rewritten site is one ``invoke_subgraph`` body shared by every
-layer with the same plan (Note [One body per plan] in ``passes/rewrite_sdpa.py``), and on torch
+layer with the same plan (Note [One body per plan]), and on torch
 2.13 an effectful op inside ``invoke_subgraph`` drops the gradients of the whole call (its
 output no longer requires grad), or fails AOT with a missing ``tangents_token`` when the call
 sits in a backward graph. The site index cannot be a constant of a shared body, nor the call

@@ -1,5 +1,5 @@
 """What a rank knows of its calls in each group, and the layouts of a call's token and of
-a header (Note [Calls, deadlines and recovery] in ``ring_rewrite/comm/calls.py``)."""
+a header (Note [Calls, deadlines and recovery])."""
 
 from __future__ import annotations
 

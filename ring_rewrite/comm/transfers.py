@@ -40,7 +40,7 @@ Note [The CUDA transport]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 On a process group of NCCL the ring's own group (``ring_group``) is ``cpu:gloo,cuda:nccl``:
 what the ring exchanges on the CPU (headers, a compile's agreement, recovery's lists) goes over
-gloo with its deadlines (Note [Calls, deadlines and recovery] in ``ring_rewrite/comm/calls.py``),
+gloo with its deadlines (Note [Calls, deadlines and recovery]),
 the K/V, dK/dV and gathered tensors, on the GPU, over NCCL. The transfers keep torch's stream
 contract (``ProcessGroupNCCL``; its functional collectives' ``wait_tensor`` does the same):
 

@@ -1,5 +1,5 @@
 """Transfers in flight: their works, the thread that waits for gloo's (Note [Calls,
-deadlines and recovery] in ``ring_rewrite/comm/calls.py``), and the transfers started and not
+deadlines and recovery]), and the transfers started and not
 yet waited for."""
 
 from __future__ import annotations

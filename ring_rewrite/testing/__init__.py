@@ -23,13 +23,13 @@ What each piece looks at (docs/semantics.md, The rewritten graph):
   the test expects; failures show the report table.
 * ``assert_same_p2p_schedule``: compiled once per rank of a fake process group, every rank issues
   the same ring transfers (op, tag, shape, dtype) in the same order, forward and backward, and
-  each message has a receiver (Note [Ordering the ring's messages] in ``ring_rewrite/comm/ring.py``);
+  each message has a receiver (Note [Ordering the ring's messages]);
   ``planned_transfers`` reads the same from a plan's program, without compiling.
 * ``inductor_code`` / ``check_code``: the wrapper code inductor generated, and
   ``torch.testing.FileCheck`` directives run over it (where order in the code that runs matters).
 * ``buffers_in_flight_violations``: in that code, every buffer a transfer sends stays alive and
   unwritten from its start to its wait, and the wait reads the buffers the start sent (Note
-  [Buffers in flight] in ``ring_rewrite/comm/transfers.py``).
+  [Buffers in flight]).
 * ``in_block_kernel``: a fault (raise ``InjectedFault``, stall, exit) in this rank's block
   attention, between a transfer's start and its wait (``tests/test_faults.py``).
 * ``assert_expected_graph``: the normalised graph text equals a stored file; with

@@ -177,8 +177,8 @@ def assert_same_p2p_schedule(
     Every rank's forward then backward graphs
     must issue the same transfers (op, tag, sent shapes and dtypes) in the same order, and each
     send must meet a receive from its sender at the same position on the peer: what a real
-    ring needs not to deadlock or pair the wrong messages (Note [Ordering the ring's messages]
-    in ``ring_rewrite/comm/ring.py``). Fails with the first difference and the ranks' transfers side
+    ring needs not to deadlock or pair the wrong messages (Note [Ordering the ring's messages]).
+    Fails with the first difference and the ranks' transfers side
     by side.
 
     Args:

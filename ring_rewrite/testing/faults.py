@@ -53,7 +53,7 @@ def in_block_kernel(fault: Callable[[], object], *, times: int | None = None) ->
     .. warning::
         Only the CPU entry's ``forward`` is replaced, which ring blocks call: CUDA inputs, the
         backward, blocks with dropout and local branches run in place (float32 on CPU, Note
-        [Local branches in place] in ``ring_rewrite/attention.py``) get no fault.
+        [Local branches in place]) get no fault.
     """
     kernel = kernels.KERNELS["cpu"]
     left = [times]

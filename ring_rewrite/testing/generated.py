@@ -93,7 +93,7 @@ def buffers_in_flight_violations(code: str) -> list[str]:
 
     Every buffer a transfer sends must stay alive and unwritten from its start
     (``ring_shift_start``) to its wait (``ring_shift_wait``), and the wait must read the
-    buffers its start sent (Note [Buffers in flight] in ``ring_rewrite/comm/transfers.py``). Reads the
+    buffers its start sent (Note [Buffers in flight]). Reads the
     wrapper as ``torch._inductor.utils.run_and_get_code`` returns it: a buffer is freed by
     ``del``, handed on by ``# reuse`` (``bufB = bufA; del bufA``), and written by a C++ kernel
     at a non-``const`` pointer argument or by an extern kernel's ``out=``. Also reports a

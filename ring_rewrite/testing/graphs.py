@@ -128,7 +128,7 @@ def site_body(gm: fx.GraphModule, site: int, which: str = "fwd") -> fx.GraphModu
 
     The body that the site's ``ring_rewrite_fwd_N`` / ``_bwd_N`` subgraph calls through
     ``invoke_subgraph``, shared by every site of ``gm`` with the same plan (Note [One body per
-    plan] in ``passes/rewrite_sdpa.py``).
+    plan]).
 
     Args:
         gm (fx.GraphModule): a dynamo graph after the passes (``Capture.after[i]``).

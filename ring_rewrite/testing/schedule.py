@@ -53,8 +53,8 @@ class Transfer:
     """Shapes of the tensors sent (AOT graphs; None in dynamo subgraphs, which carry no values)."""
     dtypes: tuple[torch.dtype, ...] | None
     send_to: int | None
-    """The rank sent to, as a rank of the ring's process group (Note [Group ranks] in
-    ``ring_rewrite/comm/groups.py``); None for a gather."""
+    """The rank sent to, as a rank of the ring's process group (Note [Group ranks]);
+    None for a gather."""
     recv_from: int | None
 
     @property
