@@ -38,10 +38,12 @@ Note [Padding to a bucket]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 Padding is the same function (the padded keys are masked, or come after every real query of a
 causal site), but computed it would cost the bucket's tokens, not the sequence's: one token past
-a power of two would cost the next power's whole attention. So a causal site without a mask
-keeps its real length: the padded SDPA node carries the graph node of ``s0`` (meta ``REAL``),
-``rewrite_sdpa`` gives the site the count as a 0-d tensor input (``real``) in one process, and
-the site's local branches run their kernel on the real rows only: per branch the segments that
+a power of two would cost the next power's whole attention. So the padded SDPA node carries the
+graph node of ``s0`` (meta ``REAL``) and ``rewrite_sdpa`` gives the site the count as a 0-d
+tensor input (``real``) in one process. Its backward takes the rows past ``s0`` as dead (their
+lse ``+inf``): their gradient is 0 anyway, but a padded query of zeros meeting an infinite key
+scores ``0 * inf = NaN``, which a live row would add to every key it reaches. A causal site
+without a mask keeps its real length: its local branches run their kernel on the real rows only: per branch the segments that
 hold real positions, the last cut to each head's real rows (``ops.kernel_calls``; a head's real
 rows are a prefix of its dilated sequence, ``BranchLayout.real_rows``). Causal rows attend no
 later key, so cutting the rows cuts the keys. Where every branch is local and read in place
@@ -168,8 +170,7 @@ def _pad_site(
         out = call(unpadded_rows, padded, length)
     propagate_example_values(new[1:])
     padded.meta = {**node.meta, "example_value": padded.meta["example_value"]}
-    if site.attn_mask is None and site.is_causal:
-        padded.meta[REAL] = length  # the rewrite computes only the real rows (Note [Padding to a bucket])
+    padded.meta[REAL] = length  # what the rewrite knows of its padding (Note [Padding to a bucket])
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     if structure is not None:

@@ -481,7 +481,7 @@ def _rewrite_site(
             erase_unused(graph, padded)
     if structure is not None:
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
-    if real is None or plan.world != 1:
+    if real is None or plan.world != 1 or not (plan.is_causal and plan.local_in_place):
         return None
     rows = "reads and writes the real rows only" if unpadded is not None else "its in-place branches compute the real rows"
     return f"a bucket of {plan.n}: {rows}{_computed(plan, real)}"

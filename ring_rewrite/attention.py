@@ -147,9 +147,12 @@ def _padded_keys(plan: SitePlan, q: torch.Tensor, mask: torch.Tensor | None):
     return torch.nn.functional.pad(mask, (0, plan.pad), value=_NEG_INF)
 
 
-def _dead_padding(plan: SitePlan, lse: torch.Tensor) -> torch.Tensor:
-    """This rank's saved ``lse`` with the rows of the plan's padding at ``+inf``: rows the
-    backward's blocks take as dead (Note [Padding the sequence])."""
+def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """This rank's saved ``lse`` with the rows of padding at ``+inf``: the plan's (Note [Padding
+    the sequence]) and, in one process, those past ``real`` (a length bucket's, Note [Padding to
+    a bucket]). The backward's blocks take them as dead."""
+    if real is not None:  # one process: the rows are the sequence's
+        lse = lse.masked_fill(torch.arange(lse.shape[-1], device=lse.device) >= real, float("inf"))
     if not plan.pad:
         return lse
     rows = torch.arange(plan.n, device=lse.device)
@@ -393,8 +396,9 @@ class _Inputs:
     docs: torch.Tensor | None
     dout: torch.Tensor | None = None
     real: torch.Tensor | None = None
-    """A causal site's count of real positions, where its sequence is padded to a length bucket
-    (``site_forward``): the local branches compute only those rows."""
+    """The count of real positions, where the sequence is padded to a length bucket in one
+    process (``site_forward``): a causal site's local branches in place compute only those rows,
+    and the backward takes the rows past it as dead."""
 
     @classmethod
     def take(cls, plan: SitePlan, qkv: tuple, mask, docs, dout=None, real=None) -> _Inputs:
@@ -591,8 +595,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     """``(q, k, v[, mask][, token][, seed][, real]) -> (out, saved)``; ``mask`` is an additive
     key bias ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the
     site's transfers (``comm/calls.py``, ``site_token``), ``seed`` (with dropout) fixes this call's dropout,
-    ``real`` (a 0-d int64 tensor) counts the real positions of a causal sequence padded to a
-    length bucket (``passes/bucket_lengths.py``). Runs the plan's forward program (Note [The site
+    ``real`` (a 0-d int64 tensor) counts the real positions of a sequence padded to a length
+    bucket in one process (Note [Padding to a bucket]). Runs the plan's forward program (Note [The site
     program])."""
     rotater = Rotater(plan.group_name, token)
     run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, real=real), seed)
@@ -929,7 +933,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         rotater = Rotater(plan.group_name, token)
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
-    lse = _dead_padding(plan, lse)
+    lse = _dead_padding(plan, lse, real)
     run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout, real), out, lse, seed)
     for step in build(plan, "backward").steps:
         run.run(step)

@@ -200,6 +200,41 @@ def test_an_inf_key_scoring_minus_inf(config, is_causal):
         assert dq[dropped][:, channel].isnan().all() and dq[dropped].isnan().sum() == dropped.sum(), value
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "key_mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_padding_to_a_bucket_meets_an_inf_key(dtype, masked):
+    """A length padded to its bucket (``dynamic=True``, 37 -> 64): the padded queries are zeros,
+    and against an infinite key they score ``0 * inf = NaN``. Their rows are dead in the
+    backward (Note [Padding to a bucket]), so the bucket computes what the site compiled for the
+    length itself does, NaN for NaN: every real row scores the infinite key ``-inf``, so only dq
+    holds NaN (``0 * inf`` in that key's channel, Note [Non-finite values]), and dk, dv none."""
+    n = 37
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=dtype) for _ in range(3))
+    k[0, 1, 5, 3] = float("inf")
+    q[0, 1, :, 3] = -q[0, 1, :, 3].abs() - 0.1  # every real row of head 1 scores key 5 at -inf
+    keep = torch.ones(1, 1, 1, n, dtype=torch.bool)
+    keep[..., -3:] = False
+
+    def attend(q, k, v):
+        if masked:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    bucketed = torch.compile(attend, backend="ring_dilated", dynamic=True, fullgraph=True)
+    specialised = torch.compile(attend, backend="ring_dilated", dynamic=False, fullgraph=True)
+    results = []
+    for fn in (bucketed, specialised):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        results.append([out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out))])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(got.isfinite(), want.isfinite()), (name, int((~got.isfinite()).sum()))
+        finite = want.isfinite()
+        assert rel_err(got[finite], want[finite]) < (1e-5 if dtype == torch.float32 else 1e-12), name
+        assert finite.all() or name == "dq", name
+
+
 # ---- merges --------------------------------------------------------------------------------------
 
 
