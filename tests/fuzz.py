@@ -146,11 +146,10 @@ class Case:
         """What the reason a site is left alone, or the error, says (any one of them)."""
         if self.n == 0:
             return ("empty",)
+        values = ("do not step by one",) if self.mask == "pos_band" else ()  # the run-time check's
         if self.sharded:
-            return ("cannot be rewritten", "branch (w=")
-        if self.mask == "pos_band":
-            return ("do not step by one",)
-        return ("not a band", "rounded")
+            return (*values, "cannot be rewritten", "branch (w=")
+        return values or ("not a band", "rounded")
 
     @property
     def refused(self) -> bool:
