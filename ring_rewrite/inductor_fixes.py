@@ -16,6 +16,20 @@ optional optimisation) unless every such division divides its loop's size, a siz
 provably a multiple of ``c`` when it is a symbol. The wrapper changes what inductor generates,
 so ``cache_key()``'s pass keys inductor's FX graph cache to this file: code compiled without it
 is never reused. ``tests/test_masks.py`` compiles the ids, alone and in a site, several times.
+
+Note [Donated buffers in subgraphs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A backward graph may write into the buffers of the tensors it was handed that nothing else holds
+(AOT autograd's donated buffers: saved intermediates, listed by their place among the backward's
+inputs). In torch 2.13 an ``invoke_subgraph`` body's lowering (``SubgraphLowering``) reads the
+same list for its own inputs, by their place among the body's arguments: so a body argument whose
+place matches that of a donated input of the backward is taken as donated, whatever it is. The
+site's backward body (Note [One body per plan]) takes the saved ``q, k, v``, which are the user's
+tensors: where a rank reads nothing of one (in replicated mode a rank whose rows are all padding
+reads no row of ``v``), inductor wrote its own buffers into it, and the user's ``v`` came back
+zeroed (campaign seed 81902). ``install()`` gives a subgraph's lowering no donated inputs: it
+then writes into no argument (a body's scratch is its own), as a top-level graph does with the
+inputs it was not given to own. ``tests/test_fuzz.py`` keeps the seed.
 """
 
 from __future__ import annotations
@@ -51,7 +65,8 @@ def _divides(nodes: list[Any]) -> bool:
 @functools.cache
 def install() -> None:
     """Make inductor's loop split leave a kernel alone where it would drop the loop's tail
-    (Note [Inductor's loop split]). Idempotent."""
+    (Note [Inductor's loop split]), and a subgraph's lowering write into none of its arguments
+    (Note [Donated buffers in subgraphs]). Idempotent."""
     from torch._inductor.codegen.cpp import CppScheduling
 
     split = CppScheduling.try_loop_split
@@ -62,11 +77,22 @@ def install() -> None:
 
     CppScheduling.try_loop_split = try_loop_split
 
+    from torch._inductor.graph import SubgraphLowering
+
+    init = SubgraphLowering.__init__
+
+    @functools.wraps(init)
+    def subgraph_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.bw_donated_idxs = None  # its inputs are its caller's (Note [Donated buffers in subgraphs])
+
+    SubgraphLowering.__init__ = subgraph_init
+
 
 @functools.cache
 def cache_key() -> Any:
     """A post-grad pass that changes nothing, whose uuid keys inductor's FX graph cache to this
-    file (Note [Inductor's loop split])."""
+    file (Notes [Inductor's loop split], [Donated buffers in subgraphs])."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class _Key(CustomGraphPass):

@@ -25,6 +25,8 @@ FOUND = {
 FOUND_TWO = {
     80388: "replicated mode's padded query rows, zeros, met an infinite key (0 * inf): their NaN "
     "probabilities reached the real keys' dk, dv",
+    81902: "inductor wrote into the user's v on the rank whose rows are all padding: a subgraph's "
+    "lowering took its arguments as the backward's donated buffers",
     81508: "position values that step by 2, sharded: the run-time check raised as it must, and the "
     "campaign did not count its reason among the expected ones",
 }
