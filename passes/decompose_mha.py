@@ -320,12 +320,12 @@ class _EncoderLayer:
 def _decompose(gm: fx.GraphModule, site: ModuleSite, index: int) -> None:
     a = site.args
     if site.kind == MHA:
-        fn: Callable[..., Any] = functools.partial(_mha_forward, _mha_plan(site))
+        fn: Callable[..., Any] = functools.partial(_mha_forward, _read_mha(site))
         names = ("query", "key", "value", "in_proj_weight", "in_proj_bias", "q_proj_weight",
                  "k_proj_weight", "v_proj_weight", "out_proj_weight", "out_proj_bias",
                  "key_padding_mask")
     else:
-        fn = functools.partial(_encoder_layer_forward, _encoder_layer_plan(site))
+        fn = functools.partial(_encoder_layer_forward, _read_encoder_layer(site))
         names = ("src", "qkv_weight", "qkv_bias", "proj_weight", "proj_bias", "norm_weight_1",
                  "norm_bias_1", "norm_weight_2", "norm_bias_2", "ffn_weight_1", "ffn_bias_1",
                  "ffn_weight_2", "ffn_bias_2", "mask")
@@ -352,7 +352,7 @@ def _decompose(gm: fx.GraphModule, site: ModuleSite, index: int) -> None:
     graph.erase_node(node)
 
 
-def _mha_plan(site: ModuleSite) -> _Attention:
+def _read_mha(site: ModuleSite) -> _Attention:
     a = site.args
     length, batch, embed = _static_shape(site.value("query"))
     if a["use_separate_proj_weight"]:
@@ -379,7 +379,7 @@ def _mha_plan(site: ModuleSite) -> _Attention:
     )
 
 
-def _encoder_layer_plan(site: ModuleSite) -> _EncoderLayer:
+def _read_encoder_layer(site: ModuleSite) -> _EncoderLayer:
     a = site.args
     batch, length, embed = _static_shape(site.value("src"))
     mask = site.value("mask")
@@ -403,25 +403,25 @@ def _encoder_layer_plan(site: ModuleSite) -> _EncoderLayer:
     )
 
 
-def _key_padding(mask: torch.Tensor, plan: _Attention) -> torch.Tensor:
+def _key_padding(mask: torch.Tensor, attn: _Attention) -> torch.Tensor:
     """``(B, S)`` key padding as an SDPA mask ``(B, 1, 1, S)``: bool keep-mask or additive."""
-    if plan.mask == "ignore":
+    if attn.mask == "ignore":
         mask = ~mask
-    elif plan.mask == "nonzero":
+    elif attn.mask == "nonzero":
         mask = mask == 0
-    return mask.view(plan.batch, 1, 1, plan.src_len)
+    return mask.view(attn.batch, 1, 1, attn.src_len)
 
 
 def _mha_forward(
-    plan: _Attention, query, key, value, in_w, in_b, q_w, k_w, v_w, out_w, out_b, kpm
+    attn: _Attention, query, key, value, in_w, in_b, q_w, k_w, v_w, out_w, out_b, kpm
 ):
     """``F.multi_head_attention_forward``'s SDPA branch (need_weights=False) on ``(L, B, E)``."""
-    e, h, d = plan.embed_dim, plan.heads, plan.head_dim
-    if plan.in_proj == "self":
+    e, h, d = attn.embed_dim, attn.heads, attn.head_dim
+    if attn.in_proj == "self":
         proj = F.linear(query, in_w, in_b)
         proj = proj.unflatten(-1, (3, e)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
         q, k, v = proj[0], proj[1], proj[2]
-    elif plan.in_proj == "kv":
+    elif attn.in_proj == "kv":
         w_q, w_kv = in_w.split([e, 2 * e])
         b_q, b_kv = (None, None) if in_b is None else in_b.split([e, 2 * e])
         q = F.linear(query, w_q, b_q)
@@ -429,40 +429,40 @@ def _mha_forward(
         kv = kv.unflatten(-1, (2, e)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
         k, v = kv[0], kv[1]
     else:
-        if plan.in_proj == "split":
+        if attn.in_proj == "split":
             q_w, k_w, v_w = in_w.chunk(3)
         b_q, b_k, b_v = (None, None, None) if in_b is None else in_b.chunk(3)
         q, k, v = F.linear(query, q_w, b_q), F.linear(key, k_w, b_k), F.linear(value, v_w, b_v)
     # (L, B, E) -> (B, H, L, D): the same strides as torch's view / transpose / view.
-    q = q.view(plan.length, plan.batch, h, d).permute(1, 2, 0, 3)
-    k = k.view(plan.src_len, plan.batch, h, d).permute(1, 2, 0, 3)
-    v = v.view(plan.src_len, plan.batch, h, d).permute(1, 2, 0, 3)
-    mask = None if kpm is None else _key_padding(kpm, plan)
+    q = q.view(attn.length, attn.batch, h, d).permute(1, 2, 0, 3)
+    k = k.view(attn.src_len, attn.batch, h, d).permute(1, 2, 0, 3)
+    v = v.view(attn.src_len, attn.batch, h, d).permute(1, 2, 0, 3)
+    mask = None if kpm is None else _key_padding(kpm, attn)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=plan.dropout_p, is_causal=plan.is_causal
+        q, k, v, attn_mask=mask, dropout_p=attn.dropout_p, is_causal=attn.is_causal
     )
-    out = out.permute(2, 0, 1, 3).reshape(plan.batch * plan.length, e)
-    return F.linear(out, out_w, out_b).view(plan.length, plan.batch, e)
+    out = out.permute(2, 0, 1, 3).reshape(attn.batch * attn.length, e)
+    return F.linear(out, out_w, out_b).view(attn.length, attn.batch, e)
 
 
-def _encoder_layer_forward(plan: _EncoderLayer, src, qkv_w, qkv_b, proj_w, proj_b, norm_w1,
+def _encoder_layer_forward(attn: _EncoderLayer, src, qkv_w, qkv_b, proj_w, proj_b, norm_w1,
                            norm_b1, norm_w2, norm_b2, ffn_w1, ffn_b1, ffn_w2, ffn_b2, mask):
     """``torch._transformer_encoder_layer_fwd`` on dense ``(B, L, E)`` input (transformer.cpp)."""
-    att = plan.attention
+    att = attn.attention
     b, n, e, h, d = att.batch, att.length, att.embed_dim, att.heads, att.head_dim
 
     def norm(x, weight, bias):
-        return F.layer_norm(x, (e,), weight, bias, plan.eps)
+        return F.layer_norm(x, (e,), weight, bias, attn.eps)
 
-    x = norm(src, norm_w1, norm_b1) if plan.norm_first else src
+    x = norm(src, norm_w1, norm_b1) if attn.norm_first else src
     qkv = F.linear(x, qkv_w, qkv_b).view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
     mask = None if mask is None else _key_padding(mask, att)
     x = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
     x = F.linear(x.transpose(1, 2).reshape(b, n, e), proj_w, proj_b) + src
-    if not plan.norm_first:
+    if not attn.norm_first:
         x = norm(x, norm_w1, norm_b1)
-    y = norm(x, norm_w2, norm_b2) if plan.norm_first else x
+    y = norm(x, norm_w2, norm_b2) if attn.norm_first else x
     y = F.linear(y, ffn_w1, ffn_b1)
-    y = F.gelu(y) if plan.use_gelu else F.relu(y)
+    y = F.gelu(y) if attn.use_gelu else F.relu(y)
     x = F.linear(y, ffn_w2, ffn_b2) + x
-    return x if plan.norm_first else norm(x, norm_w2, norm_b2)
+    return x if attn.norm_first else norm(x, norm_w2, norm_b2)

@@ -516,7 +516,7 @@ class _Term:
 
 
 @dataclasses.dataclass
-class _Plan:
+class _SdpaCall:
     q: fx.Node
     q_perm: tuple[int, ...] | None
     k: fx.Node  # keys (..., M, D) after k_perm
@@ -552,7 +552,7 @@ def _chain_ops(path: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]] | str:
     return ops
 
 
-def _plan(site: HandWrittenSite) -> _Plan | str:
+def _sdpa_call(site: HandWrittenSite) -> _SdpaCall | str:
     """What SDPA call computes the site, or why none does."""
     if site.reason is not None:
         return site.reason
@@ -715,7 +715,7 @@ def _origin4(node: fx.Node, size) -> fx.Node | None:
     return None
 
 
-def _layout(site: HandWrittenSite, lead: tuple, scale: float, scale_tensors, terms, dropout_p) -> _Plan | str:
+def _layout(site: HandWrittenSite, lead: tuple, scale: float, scale_tensors, terms, dropout_p) -> _SdpaCall | str:
     mm1, mm2 = site.scores, site.values
     q, q_perm = mm1.x, mm1.x_perm
     # keys: (.., M, D) is the product's second operand with its last two dims swapped
@@ -758,28 +758,28 @@ def _layout(site: HandWrittenSite, lead: tuple, scale: float, scale_tensors, ter
     k, k_perm = _simplify(k, k_perm)
     q, q_perm = _simplify(q, q_perm)
     v, v_perm = _simplify(v, v_perm)
-    plan = _Plan(
+    call = _SdpaCall(
         q=q, q_perm=q_perm, k=k, k_perm=k_perm, v=v, v_perm=v_perm, lead=lead, frame=frame,
         q_lead=tuple(_operand_shape(q, q_perm)[:-2]), k_lead=tuple(_operand_shape(k, k_perm)[:-2]),
         v_lead=tuple(_operand_shape(v, v_perm)[:-2]), scale=scale, scale_tensors=scale_tensors,
         terms=terms, dropout_p=dropout_p, out_lead=out_lead, out_perm=mm2.out_perm,
     )  # fmt: skip
-    qd, kd, vd = (_ev(x).dtype for x in (plan.q, plan.k, plan.v))
+    qd, kd, vd = (_ev(x).dtype for x in (call.q, call.k, call.v))
     if qd != vd or kd != vd:
-        q2, k2 = _uncast(plan.q, vd), _uncast(plan.k, vd)
+        q2, k2 = _uncast(call.q, vd), _uncast(call.k, vd)
         if q2 is None or k2 is None:
             return f"query/key/value dtypes differ ({qd}, {kd}, {vd})"
-        plan.q, plan.k = q2, k2
-    for name, size in (("query", plan.q_lead), ("key", plan.k_lead), ("value", plan.v_lead)):
+        call.q, call.k = q2, k2
+    for name, size in (("query", call.q_lead), ("key", call.k_lead), ("value", call.v_lead)):
         if len(size) != len(lead) and not (len(lead) == 1 and len(size) == 2):
             return f"the {name} has {len(size) + 2} dims against scores of {len(lead) + 2}"
-    gqa = _gqa(plan)
+    gqa = _gqa(call)
     if gqa is not None:
-        plan.k, plan.v, plan.k_perm, plan.v_perm, plan.gqa = *gqa[:2], None, None, gqa[2]
-        plan.k_lead, plan.v_lead = tuple(_ev(plan.k).shape[:2]), tuple(_ev(plan.v).shape[:2])
-    if len(plan.k_lead) == 2 and len(plan.v_lead) == 2 and plan.k_lead[1] != plan.v_lead[1]:
-        return f"keys and values of {plan.k_lead[1]} and {plan.v_lead[1]} heads"
-    return plan
+        call.k, call.v, call.k_perm, call.v_perm, call.gqa = *gqa[:2], None, None, gqa[2]
+        call.k_lead, call.v_lead = tuple(_ev(call.k).shape[:2]), tuple(_ev(call.v).shape[:2])
+    if len(call.k_lead) == 2 and len(call.v_lead) == 2 and call.k_lead[1] != call.v_lead[1]:
+        return f"keys and values of {call.k_lead[1]} and {call.v_lead[1]} heads"
+    return call
 
 
 def _swap_last(node: fx.Node):
@@ -852,16 +852,16 @@ def _uncast(node: fx.Node, dtype: torch.dtype) -> fx.Node | None:
     return None
 
 
-def _gqa(plan: _Plan) -> tuple[fx.Node, fx.Node, int] | None:
+def _gqa(call: _SdpaCall) -> tuple[fx.Node, fx.Node, int] | None:
     """Keys and values before a GQA repeat, and the group size, where both are repeated alike."""
-    if len(plan.frame) != 2 or plan.k_perm is not None or plan.v_perm is not None:
+    if len(call.frame) != 2 or call.k_perm is not None or call.v_perm is not None:
         return None
-    if _ev(plan.k).dim() != 4 or _ev(plan.v).dim() != 4:
+    if _ev(call.k).dim() != 4 or _ev(call.v).dim() != 4:
         return None
-    kr, vr = _unrepeat(plan.k), _unrepeat(plan.v)
+    kr, vr = _unrepeat(call.k), _unrepeat(call.v)
     if kr is None or vr is None or kr[1] != vr[1]:
         return None
-    if _ev(kr[0]).shape[1] != _ev(vr[0]).shape[1] or _ev(kr[0]).shape[1] * kr[1] != plan.frame[1]:
+    if _ev(kr[0]).shape[1] != _ev(vr[0]).shape[1] or _ev(kr[0]).shape[1] * kr[1] != call.frame[1]:
         return None
     return kr[0], vr[0], kr[1]
 
@@ -935,15 +935,14 @@ def hand_written_to_sdpa(
     made: list[list[fx.Node]] = []
     for site in find_hand_written_sites(gm):
         try:
-            plan = _plan(site)
-            if isinstance(plan, _Plan):
-                plan = _replace(gm, site, plan)
+            call = _sdpa_call(site)
+            result = _replace(gm, site, call) if isinstance(call, _SdpaCall) else call
         except Exception as error:  # a bug in reading this site: it runs as written, the others go on
-            plan = _could_not_read(error)
-        if isinstance(plan, str):
-            _leave_alone(gm, config, site, plan)
+            result = _could_not_read(error)
+        if isinstance(result, str):
+            _leave_alone(gm, config, site, result)
             continue
-        made.append(plan)
+        made.append(result)
         counters["ring_rewrite"]["hand_written"] += 1
     if not made:
         return gm
@@ -980,19 +979,19 @@ def _number_sites(gm: fx.GraphModule, made: list[list[fx.Node]]) -> None:
             node.meta["ring_rewrite"]["site"] = ids[sdpa]
 
 
-def _replace(gm: fx.GraphModule, site: HandWrittenSite, plan: _Plan) -> list[fx.Node] | str:
-    """Put the SDPA call of ``plan`` in the site's place; returns the nodes made, or the reason
+def _replace(gm: fx.GraphModule, site: HandWrittenSite, call: _SdpaCall) -> list[fx.Node] | str:
+    """Put ``call`` in the site's place; returns the nodes made, or the reason
     it must stay (then nothing is changed)."""
     graph, mm2 = gm.graph, site.values.node
     anchor = site.softmax
     tracer = _Tracer(graph, -1, anchor.meta.get("stack_trace"), anchor.meta.get("nn_module_stack"))
-    tracer.fake_mode = getattr(_ev(plan.q), "fake_mode", None)
+    tracer.fake_mode = getattr(_ev(call.q), "fake_mode", None)
     wrap = lambda n: fx.Proxy(n, tracer)  # noqa: E731
     # NOTE: nothing of the graph is changed until the SDPA call is made and checked; an error
     # before that takes the new nodes back (a bug reaches hand_written_to_sdpa's reason).
     try:
         with graph.inserting_before(mm2), role(ROLE):
-            result = _emit(plan, tracer, wrap)
+            result = _emit(call, tracer, wrap)
         if not isinstance(result, str):
             try:
                 _propagate(tracer)
@@ -1029,22 +1028,22 @@ def _replace(gm: fx.GraphModule, site: HandWrittenSite, plan: _Plan) -> list[fx.
     return kept[::-1]
 
 
-def _emit(plan: _Plan, tracer: _Tracer, wrap: Callable) -> fx.Node | str:
-    """The SDPA call of ``plan`` and the views around it; the node in place of ``MM2``, or the
+def _emit(call: _SdpaCall, tracer: _Tracer, wrap: Callable) -> fx.Node | str:
+    """The SDPA call ``call`` and the views around it; the node in place of ``MM2``, or the
     reason its mask cannot be given."""
-    mask, is_causal = _mask(plan, tracer, wrap)
+    mask, is_causal = _mask(call, tracer, wrap)
     if isinstance(mask, str):
         return mask
-    q = _to_frame(wrap(plan.q), plan.q_perm, plan.q_lead, plan.frame, query=True)
-    k = _to_frame(wrap(plan.k), plan.k_perm, plan.k_lead, plan.frame, query=False)
-    v = _to_frame(wrap(plan.v), plan.v_perm, plan.v_lead, plan.frame, query=False)
-    for tensor, how in plan.scale_tensors:
+    q = _to_frame(wrap(call.q), call.q_perm, call.q_lead, call.frame, query=True)
+    k = _to_frame(wrap(call.k), call.k_perm, call.k_lead, call.frame, query=False)
+    v = _to_frame(wrap(call.v), call.v_perm, call.v_lead, call.frame, query=False)
+    for tensor, how in call.scale_tensors:
         q = q * wrap(tensor) if how == "mul" else q / wrap(tensor)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=None if mask is None else wrap(mask), dropout_p=plan.dropout_p,
-        is_causal=is_causal, scale=plan.scale, enable_gqa=plan.gqa is not None,
+        q, k, v, attn_mask=None if mask is None else wrap(mask), dropout_p=call.dropout_p,
+        is_causal=is_causal, scale=call.scale, enable_gqa=call.gqa is not None,
     )  # fmt: skip
-    out = _from_frame(out, plan.out_lead, plan.out_perm)
+    out = _from_frame(out, call.out_lead, call.out_perm)
     return out.node
 
 
@@ -1087,14 +1086,14 @@ def _from_frame(out, lead: tuple, perm):
 # ---- the mask -----------------------------------------------------------------------------------
 
 
-def _mask(plan: _Plan, tracer: _Tracer, wrap: Callable) -> tuple[fx.Node | None | str, bool]:
+def _mask(call: _SdpaCall, tracer: _Tracer, wrap: Callable) -> tuple[fx.Node | None | str, bool]:
     """The SDPA mask of the site's terms (nodes made by ``tracer``) and ``is_causal``; or a reason
     in place of the mask."""
     keeps, biases, bands = [], [], {}
-    n, m = _operand_shape(plan.q, plan.q_perm)[-2], _operand_shape(plan.k, plan.k_perm)[-2]
+    n, m = _operand_shape(call.q, call.q_perm)[-2], _operand_shape(call.k, call.k_perm)[-2]
     static = all(isinstance(s, int) for s in (n, m))
     square = statically_known_true(n == m)
-    for term in plan.terms:
+    for term in call.terms:
         value = _ev(term.node)
         if term.keep:
             node = wrap(term.node)
@@ -1112,13 +1111,13 @@ def _mask(plan: _Plan, tracer: _Tracer, wrap: Callable) -> tuple[fx.Node | None 
                 factor = wrap(factor) if isinstance(factor, fx.Node) else factor
                 node = node * factor if how == "mul" else node / factor
         if len(term.lead) == 1 and value.dim() == 3 and value.shape[0] != 1:
-            if value.shape[0] != plan.frame[0] * plan.frame[1]:
+            if value.shape[0] != call.frame[0] * call.frame[1]:
                 return f"a mask of shape {tuple(value.shape)} over scores of {term.lead} leading", False
-            node = node.unflatten(0, (-1, plan.frame[1]))  # heads folded into the batch
+            node = node.unflatten(0, (-1, call.frame[1]))  # heads folded into the batch
         _propagate(tracer)
         node = node.node
         if square and _ev(node).dim() >= 2 and _ev(node).shape[-2] != 1:
-            read = _read_term(node, term, n, static, tracer, wrap, lambda: _lengths(plan, wrap, static))
+            read = _read_term(node, term, n, static, tracer, wrap, lambda: _lengths(call, wrap, static))
             if isinstance(read, str):
                 return read, False
             if read is True:
@@ -1137,7 +1136,7 @@ def _mask(plan: _Plan, tracer: _Tracer, wrap: Callable) -> tuple[fx.Node | None 
         for keep in keeps:
             total = torch.where(wrap(keep), total, _NEG_INF)
         _propagate(tracer)
-        q_dtype = _ev(plan.q).dtype
+        q_dtype = _ev(call.q).dtype
         if _ev(total.node).dtype != q_dtype:
             total = total.to(q_dtype)
             _propagate(tracer)
@@ -1197,14 +1196,14 @@ def _refill(node: fx.Node, tracer: _Tracer) -> fx.Node:
     return node
 
 
-def _lengths(plan: _Plan, wrap: Callable, static: bool) -> tuple:
+def _lengths(call: _SdpaCall, wrap: Callable, static: bool) -> tuple:
     """The query and key lengths: ints, or proxies of ``q.size(..)`` / ``k.size(..)``."""
-    n, m = _operand_shape(plan.q, plan.q_perm)[-2], _operand_shape(plan.k, plan.k_perm)[-2]
+    n, m = _operand_shape(call.q, call.q_perm)[-2], _operand_shape(call.k, call.k_perm)[-2]
     if static:
         return n, m
-    q_dim = -2 if plan.q_perm is None else plan.q_perm[-2]
-    k_dim = -2 if plan.k_perm is None else plan.k_perm[-2]
-    return wrap(plan.q).size(q_dim), wrap(plan.k).size(k_dim)
+    q_dim = -2 if call.q_perm is None else call.q_perm[-2]
+    k_dim = -2 if call.k_perm is None else call.k_perm[-2]
+    return wrap(call.q).size(q_dim), wrap(call.k).size(k_dim)
 
 
 def _read_term(node: fx.Node, term: _Term, n, static: bool, tracer: _Tracer, wrap: Callable, lengths: Callable):

@@ -113,7 +113,7 @@ from .ops import BAND_OPEN, RELATIONS
 from .program import Block, Cast, Chunk, Dilate, Gather, Land, Merge, Start, Undilate, Wait, build, chunks
 from .roles import role
 from .site_plan import SitePlan
-from .schedule import BranchPlan, Parts
+from .schedule import Branch, Parts
 
 __all__ = ["site_forward", "site_backward"]
 
@@ -169,7 +169,7 @@ def _gather(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int, same=
     return assemble(stacked, 2, plan.n_local, world=plan.world, layout=plan.layout)
 
 
-def _branch_bias(plan: SitePlan, branch: BranchPlan, q: torch.Tensor, mask: torch.Tensor | None):
+def _branch_bias(plan: SitePlan, branch: Branch, q: torch.Tensor, mask: torch.Tensor | None):
     """Additive key bias of one branch in kernel layout ``(B*nseg, Hq, 1, m)`` (a ring branch:
     ``(B, Hq, 1, nseg*m)``), or None."""
     if not plan.needs_bias(branch):
@@ -284,7 +284,7 @@ def _drop(plan: SitePlan, seed: torch.Tensor | None, *block: int) -> tuple:
     return (plan.dropout, seed, [plan.rank, *block]) if plan.dropout else ()
 
 
-def _ring(rotater: Rotater, i: int, branch: BranchPlan) -> Ring:
+def _ring(rotater: Rotater, i: int, branch: Branch) -> Ring:
     return rotater.ring(i, branch.send_to, branch.recv_from)
 
 
@@ -295,7 +295,7 @@ def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
 
 
 def _band_args(
-    plan: SitePlan, branch: BranchPlan, block: Block, like: torch.Tensor, docs: torch.Tensor | None = None,
+    plan: SitePlan, branch: Branch, block: Block, like: torch.Tensor, docs: torch.Tensor | None = None,
     heads: slice = slice(None),
 ) -> dict:  # fmt: skip
     """The mask arguments of one block call (Note [Bands]), as the program

@@ -61,7 +61,7 @@ from .comm.tags import DKV, GATHER, KV, KV_BACK, Tag
 from .layout import layout_of
 
 if TYPE_CHECKING:
-    from .schedule import BranchPlan, Parts
+    from .schedule import Branch, Parts
     from .site_plan import SitePlan
 
 __all__ = [
@@ -396,7 +396,7 @@ def _build(plan: SitePlan, graph: str, folded: bool) -> Program:
     return Program(graph, title, tuple(steps), plan.d, plan.dv)
 
 
-def chunks(plan: SitePlan, branch: BranchPlan) -> list[tuple[slice, slice]]:
+def chunks(plan: SitePlan, branch: Branch) -> list[tuple[slice, slice]]:
     """Query-head and kv-head slices of each head chunk of a ring branch (dilated layout: query
     head ``j`` reads kv head ``j // (hq / kv_heads)``, so contiguous slices pair up)."""
     g = plan.head_chunks(branch)
@@ -430,7 +430,7 @@ def _forward(plan: SitePlan, folded: bool) -> list[Step]:
     return steps
 
 
-def _ring_forward(plan: SitePlan, i: int, branch: BranchPlan, folded: bool) -> list[Step]:
+def _ring_forward(plan: SitePlan, i: int, branch: Branch, folded: bool) -> list[Step]:
     """One ring branch's forward, head chunk by head chunk: K/V travel while each step computes
     (folded: the first chunk's blocks, no transfer: ``_forward`` listed it)."""
     steps: list[Step] = []
@@ -500,7 +500,7 @@ def _locals_backward(plan: SitePlan) -> list[Step]:
     return steps
 
 
-def _ring_backward(plan: SitePlan, i: int, branch: BranchPlan, folded: bool) -> list[Step]:
+def _ring_backward(plan: SitePlan, i: int, branch: Branch, folded: bool) -> list[Step]:
     """One ring branch's backward, head chunk by head chunk (Note [Head chunks]):
     K/V go round again; dK/dV follow one step behind, from the first rank
     that holds them, and a chunk's last hop home lands during the next chunk's first step.
@@ -535,24 +535,24 @@ def _ring_backward(plan: SitePlan, i: int, branch: BranchPlan, folded: bool) -> 
 # ---- the pieces -----------------------------------------------------------------------------
 
 
-def _rings(plan: SitePlan) -> list[tuple[int, BranchPlan]]:
+def _rings(plan: SitePlan) -> list[tuple[int, Branch]]:
     return [(i, b) for i, b in enumerate(plan.branches) if not b.is_local]
 
 
-def _locals(plan: SitePlan) -> list[tuple[int, BranchPlan]]:
+def _locals(plan: SitePlan) -> list[tuple[int, Branch]]:
     return [(i, b) for i, b in enumerate(plan.branches) if b.is_local]
 
 
-def _bias(plan: SitePlan, branch: BranchPlan) -> tuple[str, ...]:
+def _bias(plan: SitePlan, branch: Branch) -> tuple[str, ...]:
     return ("bias",) if plan.needs_bias(branch) else ()
 
 
-def _copied(branch: BranchPlan) -> bool:
+def _copied(branch: Branch) -> bool:
     """Whether the branch's rows are gathered (a rate above 1, or padding), not views."""
     return branch.layout.r > 1 or branch.layout.padded != branch.layout.n
 
 
-def _folded_blocks(plan: SitePlan, i: int, branch: BranchPlan, heads: int, backward: bool) -> list[Block]:
+def _folded_blocks(plan: SitePlan, i: int, branch: Branch, heads: int, backward: bool) -> list[Block]:
     """A ring branch's blocks, each once with how many times it runs over the steps and head
     chunks: without a band or documents a block is what its parts are, so equal parts fold into
     one; with them, one a step (the band makes each step's its own)."""
@@ -567,17 +567,17 @@ def _folded_blocks(plan: SitePlan, i: int, branch: BranchPlan, heads: int, backw
     return [_block(plan, i, branch, blk, step, 0, j, heads, backward=backward, times=n) for step, j, blk, n in folded.values()]
 
 
-def _chunk(plan: SitePlan, i: int, branch: BranchPlan, c: int) -> Chunk:
+def _chunk(plan: SitePlan, i: int, branch: Branch, c: int) -> Chunk:
     qh, kh = chunks(plan, branch)[c]
     return Chunk(i, c, (qh.start, qh.stop), (kh.start, kh.stop))
 
 
-def _hops(plan: SitePlan, branch: BranchPlan) -> int:
+def _hops(plan: SitePlan, branch: Branch) -> int:
     """Transfers of one kind a ring branch makes per call: one a step but the last, per head chunk."""
     return (len(branch.ring) - 1) * plan.head_chunks(branch)
 
 
-def _sent(plan: SitePlan, branch: BranchPlan) -> dict[bool, tuple]:
+def _sent(plan: SitePlan, branch: Branch) -> dict[bool, tuple]:
     """What one head chunk of a ring branch sends, ``(names, shapes, dtypes, bytes)``: K/V in the
     input dtype (and their keys' bias, in the compute dtype), or (``True``) dK/dV in
     ``stat_dtype``."""
@@ -595,7 +595,7 @@ def _sent(plan: SitePlan, branch: BranchPlan) -> dict[bool, tuple]:
     return sent
 
 
-def _start(sent: dict, i: int, branch: BranchPlan, kind: int, step: int, c: int, times: int = 1) -> Start:
+def _start(sent: dict, i: int, branch: Branch, kind: int, step: int, c: int, times: int = 1) -> Start:
     """Head chunk ``c``'s transfer of ``kind`` at ``step`` (``sent``: ``_sent``'s)."""
     names, shapes, dtypes, size = sent[kind == DKV]
     return Start(Tag(i, kind, step, c), names, shapes, dtypes, size, branch.send_to, branch.recv_from, times)
@@ -611,7 +611,7 @@ def _gather(plan: SitePlan, index: int, name: str, width: int) -> Gather:
     return Gather(index, name, shape, plan.dtype, (plan.world - 1) * sent)
 
 
-def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> tuple[int, ...]:
+def _starts(plan: SitePlan, branch: Branch, step: int | None) -> tuple[int, ...]:
     """Position of the first row of each part a block of ``branch`` reads: this rank's parts
     (``step`` None) or those of the K/V held at ``step``. Global for a ring; for a local branch
     within the segment (only differences of positions matter, Note [Bands])."""
@@ -622,7 +622,7 @@ def _starts(plan: SitePlan, branch: BranchPlan, step: int | None) -> tuple[int, 
 
 
 def _block(
-    plan: SitePlan, i: int, branch: BranchPlan, blk: Parts, step: int | None, c: int, j: int, heads: int, *,
+    plan: SitePlan, i: int, branch: Branch, blk: Parts, step: int | None, c: int, j: int, heads: int, *,
     in_place: bool = False, backward: bool = False, times: int = 1,
 ) -> Block:  # fmt: skip
     """The block ``blk`` of ``branch`` at ring ``step`` (None: local) in head chunk ``c`` of

@@ -35,7 +35,7 @@ import dataclasses
 from .dilation import BranchLayout
 from .layout import layout_of
 
-__all__ = ["Parts", "BranchPlan", "plan_branch"]
+__all__ = ["Parts", "Branch", "schedule_branch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Parts:
 
 
 @dataclasses.dataclass(frozen=True)
-class BranchPlan:
+class Branch:
     """One branch on one rank: its local dilated layout and, for a ring, the steps."""
 
     w: int
@@ -77,7 +77,7 @@ class BranchPlan:
         return self.ring[(self.position - 1) % len(self.ring)]
 
 
-def plan_branch(
+def schedule_branch(
     w: int,
     r: int,
     *,
@@ -89,18 +89,18 @@ def plan_branch(
     batch: int,
     hq: int,
     hkv: int,
-) -> BranchPlan:
-    """The branch's plan on ``rank`` of a group of ``world`` ranks; raises ValueError when the
+) -> Branch:
+    """The branch on ``rank`` of a group of ``world`` ranks; raises ValueError when the
     shards cannot carry it."""
     n_local = n_global // world
     if world == 1:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
-        return BranchPlan(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
+        return Branch(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
     parts = layout_of(layout).parts
     part = n_local // parts
     if part % w == 0:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
-        return BranchPlan(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
+        return Branch(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
     if part % r:
         raise ValueError(
             f"branch (w={w}, r={r}): each rank's part of {part} tokens is not a multiple of the "
@@ -128,7 +128,7 @@ def plan_branch(
         _blocks(rank, ring[(position - s) % len(ring)], parts, full, is_causal)
         for s in range(len(ring))
     )
-    return BranchPlan(w, r, geometry, ring, position, steps)
+    return Branch(w, r, geometry, ring, position, steps)
 
 
 def _blocks(k: int, j: int, parts: int, full: bool, causal: bool) -> tuple[Parts, ...]:

@@ -53,7 +53,7 @@ from .kernels import block_kernel
 from .numerics import stat_dtype
 from .comm.groups import global_ranks
 from .layout import layout_of
-from .schedule import BranchPlan, plan_branch
+from .schedule import Branch, schedule_branch
 
 __all__ = ["LOCAL_CHUNK_BYTES", "RING_CHUNK_BYTES", "SitePlan"]
 
@@ -88,7 +88,7 @@ class SitePlan:
     group_name: str
     sharding: str
     layout: str
-    branches: tuple[BranchPlan, ...]
+    branches: tuple[Branch, ...]
     pad: int = 0
     """Tokens of padding after the sequence (replicated mode, Note [Padding the sequence]):
     ``n`` counts them; the site's inputs and outputs have ``n - pad`` tokens."""
@@ -119,7 +119,7 @@ class SitePlan:
         if world > 1:
             layout_of(layout).chunk_size(n, world)  # raises where n does not cut evenly
         plans = tuple(
-            plan_branch(
+            schedule_branch(
                 w, r, n_global=n, world=world, rank=rank, layout=layout, is_causal=is_causal,
                 batch=batch, hq=hq, hkv=hkv,
             )  # fmt: skip
@@ -152,7 +152,7 @@ class SitePlan:
         its rank's shard of the inputs and gathers its outputs (and gradients) whole again."""
         return self.world > 1 and self.sharding == "replicated"
 
-    def head_chunks(self, branch: BranchPlan) -> int:
+    def head_chunks(self, branch: Branch) -> int:
         """How many head chunks a ring branch runs in, one after another (Note [Head chunks]):
         the most that divide its dilated kv heads and keep each K/V message >= 1 MiB."""
         layout = branch.layout
@@ -202,7 +202,7 @@ class SitePlan:
             return False
         return cpu_kernel.available()
 
-    def needs_bias(self, branch: BranchPlan) -> bool:
+    def needs_bias(self, branch: Branch) -> bool:
         # Padded keys sit after every real query, so causal attention never sees them.
         padded = self.pad or branch.layout.padded != branch.layout.n
         return self.has_mask or (padded and not self.is_causal)

@@ -185,7 +185,7 @@ class Case:
 
 
 def _geometry_error(c: Case) -> bool:
-    """Whether sharded mode's shards cannot carry a branch (``plan_branch`` in
+    """Whether sharded mode's shards cannot carry a branch (``schedule_branch`` in
     ``ring_rewrite/schedule.py``): a rate that does not divide a rank's part where the segment
     does not fit in it, or a segment neither dividing a part nor a multiple of it."""
     parts = 2 if c.layout == "zigzag" else 1
