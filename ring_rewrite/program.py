@@ -27,7 +27,8 @@ how local branches run (in place, gathered, in head chunks) is which steps the p
 checks that it lists exactly the transfers, in order, and the block calls that the traced
 bodies issue, on every rank.
 
-The report's FLOPs and bytes sum a program's blocks and transfers (``report.py``), folded:
+The report's FLOPs and bytes sum a program's blocks and transfers (``report.py``), and its
+memory walks the steps (``memory.py``, Note [Memory of a site]), folded:
 ``build(plan, graph, folded=True)`` lists each ring's transfers of a kind once and its
 equal blocks once, each with how many times it runs (``times``). The counts are the same (head
 chunks are equal slices, every hop of a ring sends the same); the steps are about ``1 / (ring
@@ -377,8 +378,9 @@ def build(plan: SitePlan, graph: str, *, folded: bool = False) -> Program:
 
     ``folded``: each ring's transfers of a kind listed once, and its blocks for the first head
     chunk, each with how many times it runs (``times``): the same counts (FLOPs, bytes, the
-    largest message) in about ``1 / (ring size x head chunks)`` of the steps, not in the body's
-    order. The report counts these, so ``ring_rewrite.plan`` builds every rank's at any scale.
+    largest message) in about ``1 / (ring size x head chunks)`` of the steps, the branches and
+    sums in the body's order. The report counts these, so ``ring_rewrite.plan`` builds every
+    rank's at any scale.
     """
     programs = plan.__dict__.setdefault("_programs", {})  # not a field: equal plans stay equal
     if (graph, folded) not in programs:
@@ -464,8 +466,7 @@ def _backward(plan: SitePlan, folded: bool) -> list[Step]:
     for i, branch in _rings(plan):
         steps.append(Dilate(i, (*_ROWS_BACKWARD, *_bias(plan, branch)), _copied(branch)))
         steps += _ring_backward(plan, i, branch, folded)
-        if not folded:
-            last_hops.append(Tag(i, DKV, len(branch.ring) - 1, plan.head_chunks(branch) - 1))
+        last_hops.append(Tag(i, DKV, len(branch.ring) - 1, plan.head_chunks(branch) - 1))
     steps += _locals_backward(plan)
     for tag in last_hops:
         steps += [Wait(tag, None), Land(tag.branch, tag.chunk), Undilate(tag.branch, ("dk", "dv"))]
@@ -511,7 +512,7 @@ def _ring_backward(plan: SitePlan, i: int, branch: Branch, folded: bool) -> list
     if folded:
         times = _hops(plan, branch)
         steps: list[Step] = [_start(sent, i, branch, kind, s, 0, times) for kind, s in ((KV_BACK, 0), (DKV, 1))]
-        return steps + _folded_blocks(plan, i, branch, heads, backward=True)
+        return steps + _folded_blocks(plan, i, branch, heads, backward=True) + [Merge(i, "dq")]
     steps = []
     for c in range(chunks):
         steps.append(_chunk(plan, i, branch, c))

@@ -21,7 +21,8 @@ RUNTIME = {
     "numerics", "ops", "program", "reference", "roles", "schedule", "site_plan",
 }  # fmt: skip
 FRONT = {
-    "__init__", "backend", "cache", "hf", "inductor_fixes", "recompiles", "report", "scale", "testing", "pytest_plugin",
+    "__init__", "backend", "cache", "hf", "inductor_fixes", "memory", "recompiles", "report", "scale", "testing",
+    "pytest_plugin",
 }  # fmt: skip
 LAYERS = {"runtime": 0, "passes": 1, "front": 2}
 

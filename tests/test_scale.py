@@ -113,3 +113,28 @@ def test_memory_of_a_lone_rate_one_branch():
         saved = q + 4 * 64 * item
         peak = saved + (q + q // 2 + q // 2) + copy * q
         assert attention_memory_bytes(site) == {"saved": saved, "peak": peak}
+
+
+def test_memory_walks_the_program():
+    """The peak is the most held at any step of the site's programs (Note [Memory of a site]).
+    Forward, every ring's rows are dilated before the first ring's blocks (their first transfers
+    start early), so the second ring's dilated q, k, v are held while the first ring runs; walked
+    with that ``Dilate`` moved to just before its own blocks, the forward peak drops by exactly
+    those copies (the first ring's blocks are the forward's busiest step)."""
+    from ring_rewrite import memory
+    from ring_rewrite.program import Block, Dilate, build
+
+    site = ring_rewrite.plan(
+        8192, 4, heads=8, head_dim=64, dtype=torch.float32, device="cpu", segment_lengths=[1024, 2048, 4096],
+        dilation_rates=[1, 2, 4],
+    ).site  # fmt: skip
+    rings = [i for i, b in enumerate(site.branches) if not b.is_local]
+    assert len(rings) == 2
+    steps = memory._inductor_order(site, build(site, "forward", folded=True))
+    late = [s for s in steps if not (isinstance(s, Dilate) and s.branch == rings[1])]
+    first = next(j for j, s in enumerate(late) if isinstance(s, Block) and s.branch == rings[1])
+    late.insert(first, next(s for s in steps if isinstance(s, Dilate) and s.branch == rings[1]))
+    early, moved = memory._Forward(site).walk(steps), memory._Forward(site).walk(late)
+    copies = 2048 // 4 * 8 * (64 + 2 * 64) * 4  # q, k, v of 2,048 rows at rate 4, 8 heads, float32
+    assert early - moved == copies
+    assert memory.site_memory(site)["peak"] >= early
