@@ -66,11 +66,11 @@ class Layout:
         dim 0 (so ``dim`` of a rank's is ``dim`` of ``gathered[rank]``)."""
         size = n_local // self.parts
         held = {c: (rank, slot) for rank in range(world) for slot, c in enumerate(self.chunks(rank, world))}
+        shards = [gathered[rank] for rank in range(world)]
         pieces = []
         for c in range(world * self.parts):
             rank, slot = held[c]
-            x = gathered[rank]
-            pieces.append(x if self.parts == 1 else x.narrow(dim, slot * size, size))
+            pieces.append(shards[rank] if self.parts == 1 else shards[rank].narrow(dim, slot * size, size))
         return torch.cat(pieces, dim)
 
     def __repr__(self) -> str:
