@@ -149,7 +149,10 @@ class _RingMixin:
             )
         super().__init__(*args, **kwargs)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # set up by accelerate's launcher
-            raise ValueError("RingTrainer: FSDP and DeepSpeed are not supported; launch with torchrun (DDP)")
+            raise ValueError(
+                "RingTrainer: FSDP and DeepSpeed are not supported; launch with torchrun or "
+                "accelerate launch --multi_gpu (DDP)"
+            )
         world = self.args.world_size
         self._cp, self._buckets, fields = _config_and_options(ring, world)
         self._dp = world // self._cp

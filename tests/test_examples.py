@@ -72,3 +72,25 @@ def test_ring_torchrun_example() -> None:
     proc = run("ring_torchrun.py", "--seq", "1024", torchrun=True)
     for rank in range(WORLD):
         assert_ok(proc, rf"OK rank {rank}/{WORLD}\b")  # not anchored, as above
+
+
+def test_trainer_example_under_accelerate_launch() -> None:
+    """``accelerate launch`` starts the ranks as torchrun does (``--multi_gpu`` is its multi-process
+    launcher, CPU included; ``--cpu`` starts one process), and RingTrainer runs the same."""
+    pytest.importorskip("accelerate")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [
+        "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={WORLD}", "--num_machines=1",
+        "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={port}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, *launcher, str(ROOT / "examples" / "trainer_hf.py"), "--fast", "--compiler", "aot_eager"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    for rank in range(WORLD):
+        assert_ok(proc, rf"OK rank {rank}/{WORLD}\b")
