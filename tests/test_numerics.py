@@ -9,6 +9,7 @@ and the q/k/v gradients with ``ring_rewrite.reference.reference_attention``.
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 import torch
@@ -447,6 +448,25 @@ def test_dynamic_sequence_length_compiles_one_graph_per_bucket(config, is_causal
         _assert_close(got, _reference(config, q, k, v, dout, mask=m, is_causal=is_causal))
     assert counters["ring_rewrite"]["rewritten"] == 3
     assert counters["ring_rewrite"]["bucketed"] == 2
+    assert counters["ring_rewrite"]["skipped"] == 0
+
+
+@pytest.mark.parametrize("config", [CONFIGS["exact"], ([64, 256], [1, 4])], ids=["exact", "dilated"])
+def test_twenty_random_lengths_compile_a_handful_of_graphs(config):
+    """Twenty batches of random lengths from 100 to 1,000, as a collator padding each batch to its
+    longest row makes them: the first length compiles a static graph, every later one the graph
+    of its bucket ``(L/2, L]``, so at most five graphs, far from dynamo's recompile limit; every
+    call equal to the float64 reference, gradients too."""
+    rng = random.Random(0)
+    lengths = [rng.randint(100, 1000) for _ in range(20)]
+    fn = _compile(config, is_causal=True)
+    for n in lengths:
+        q, k, v = _inputs(1, 2, 2, n, 8, 8)
+        dout = torch.randn(1, 2, n, 8)
+        _assert_close(_forward_backward(fn, q, k, v, dout), _reference(config, q, k, v, dout, is_causal=True))
+    buckets = {1 << (n - 1).bit_length() for n in lengths[1:] if n != lengths[0]}
+    graphs = counters["ring_rewrite"]["rewritten"]
+    assert graphs == 1 + len(buckets) <= 5 < torch._dynamo.config.recompile_limit, (lengths, graphs)
     assert counters["ring_rewrite"]["skipped"] == 0
 
 
