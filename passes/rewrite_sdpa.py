@@ -273,6 +273,7 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         layout=config.layout,
         pad=pad,
         dropout=float(site.dropout_p),
+        comm=config.comm,
     )
 
 

@@ -101,6 +101,7 @@ bias at any length. A row whose own bias masks (a padded position) takes 0 inste
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ from .dilation import last_dim
 from .layout import assemble, take_shard
 from .merge import merge_partials
 from .ops import BAND_OPEN, RELATIONS
-from .program import Block, Cast, Chunk, Dilate, Gather, Land, Merge, Start, Undilate, Wait, build, chunks
+from .program import Block, Cast, Chunk, Dilate, Exchange, Gather, Land, Merge, Start, Undilate, Wait, build, chunks
 from .roles import role
 from .site_plan import SitePlan
 from .schedule import Branch, Parts
@@ -598,6 +599,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     ``real`` (a 0-d int64 tensor) counts the real positions of a sequence padded to a length
     bucket in one process (Note [Padding to a bucket]). Runs the plan's forward program (Note [The site
     program])."""
+    if plan.exchanged:
+        return _exchanged_forward(plan, q, k, v, token)
     rotater = Rotater(plan.group_name, token)
     run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, real=real), seed)
     for step in build(plan, "forward").steps:
@@ -929,6 +932,8 @@ class _Backward(_Call):
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None, real=None):
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
     token and the seed): the plan's backward program run (Note [The site program])."""
+    if plan.exchanged:
+        return _exchanged_backward(plan, dout, (q, k, v, out, lse), token)
     with role("p2p"):
         rotater = Rotater(plan.group_name, token)
         if token is not None:
@@ -940,3 +945,94 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
     with role("p2p"):
         rotater.close(run.grads)
     return (*run.grads, *(None for x in (mask, docs, token, seed, real) if x is not None))
+
+
+# ---- heads across ranks ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Exchanged:
+    """An all-to-all site call (Note [Heads across ranks]): its exchanges, and between them the
+    inner plan's steps, run by ``inner`` (its ``_Forward`` or ``_Backward``), which ``begin``
+    makes from the exchanged inputs."""
+
+    plan: SitePlan
+    rotater: Rotater
+    tensors: dict
+    """By name: the call's inputs, then what its exchanges made of them and of the results."""
+    begin: Any
+    inner: Any = None
+
+    def run(self, step) -> None:
+        if not isinstance(step, Exchange):
+            if self.inner is None:
+                self.inner = self.begin(self.tensors)
+            self.inner.run(step)
+            return
+        plan, name = self.plan, step.tensor
+        with role("p2p"):
+            if step.to == "heads":
+                self.tensors[name] = _to_heads(plan, self.rotater, self.tensors[name], step.index)
+            else:
+                results = {"out": self.inner.out} if isinstance(self.inner, _Forward) else dict(
+                    zip(("dq", "dk", "dv"), self.inner.grads)
+                )
+                self.tensors[name] = _to_sequence(plan, self.rotater, results[name], step.index)
+
+
+def _to_heads(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) -> torch.Tensor:
+    """This rank's shard of the sequence for every head, ``(B, H, N / P, D)``, to the whole
+    sequence for its ``H / P`` heads, ``(B, H / P, N, D)``: rank ``j`` gets heads ``[j H / P,
+    (j + 1) H / P)``."""
+    b, h, n, d = x.shape
+    world = plan.world
+    got = rotater.all_to_all(x.reshape(b, world, h // world, n, d).transpose(0, 1), world, index)
+    return assemble(got, 2, plan.n_local, world=world, layout=plan.layout)
+
+
+def _to_sequence(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) -> torch.Tensor:
+    """The inverse of ``_to_heads``: the whole sequence for this rank's heads back to this
+    rank's shard of the sequence for every head."""
+    world = plan.world
+    pieces = [take_shard(x, 2, plan.n, world=world, rank=r, layout=plan.layout) for r in range(world)]
+    got = rotater.all_to_all(torch.stack(pieces), world, index)
+    _, b, h, n, d = got.shape
+    return got.transpose(0, 1).reshape(b, world * h, n, d)
+
+
+def _exchanged_forward(plan: SitePlan, q, k, v, token):
+    """``site_forward`` of an all-to-all site: what it saves are the exchanged q, k, v and the
+    inner call's out and lse, for its heads over the whole sequence."""
+    inner = plan.inner
+    rotater = Rotater(plan.group_name, token)
+    run = _Exchanged(
+        plan, rotater, {"q": q, "k": k, "v": v},
+        lambda t: _Forward(inner, Rotater(inner.group_name, None), _Inputs.take(inner, (t["q"], t["k"], t["v"]), None, None), None),
+    )  # fmt: skip
+    for step in build(plan, "forward").steps:
+        run.run(step)
+    out = run.tensors["out"]
+    with role("p2p"):
+        rotater.close([out, run.inner.lse])
+    return out, [run.tensors["q"], run.tensors["k"], run.tensors["v"], run.inner.saved_out, run.inner.lse, rotater.token]
+
+
+def _exchanged_backward(plan: SitePlan, dout, saved: tuple, token):
+    """``site_backward`` of an all-to-all site: ``saved`` (q, k, v, out, lse) as its forward
+    saved them."""
+    inner = plan.inner
+    q, k, v, out, lse = saved
+    with role("p2p"):
+        rotater = Rotater.resume(plan.group_name, token)
+    run = _Exchanged(
+        plan, rotater, {"dout": dout},
+        lambda t: _Backward(
+            inner, Rotater(inner.group_name, None), _Inputs.take(inner, (q, k, v), None, None, t["dout"]), out, lse, None
+        ),
+    )  # fmt: skip
+    for step in build(plan, "backward").steps:
+        run.run(step)
+    grads = [run.tensors[name] for name in ("dq", "dk", "dv")]
+    with role("p2p"):
+        rotater.close(grads)
+    return (*grads, None)

@@ -18,6 +18,7 @@ _MAX_TIMEOUT = 1e12  # seconds: in milliseconds, an int64 the transfers carry
 
 Sharding = Literal["replicated", "sharded"]
 Layout = Literal["contiguous", "zigzag"]
+Comm = Literal["ring", "all_to_all"]
 Compiler = Literal["inductor", "aot_eager", "eager"]
 
 
@@ -57,6 +58,12 @@ class RingDilatedConfig:
         layout (str): how the sequence is cut into rank shards: ``"contiguous"`` (rank ``k``
             holds tokens ``[kN/P, (k+1)N/P)``) or ``"zigzag"`` (``2P`` chunks, rank ``k`` holds
             chunks ``k`` and ``2P-1-k``). Default: ``"contiguous"``.
+        comm (str): how the ranks share a site's work: ``"ring"`` (every rank keeps its heads
+            and its shard of the sequence; K/V go round a ring) or ``"all_to_all"`` (an
+            all-to-all turns the shards of the sequence into shards of the heads, each rank
+            attends the whole sequence for ``H / P`` heads, and a second one turns the output
+            back: Note [Heads across ranks]); ``"all_to_all"`` needs ``sharding="sharded"``.
+            Default: ``"ring"``.
         compiler (str): what lowers the rewritten graph: ``"inductor"``, or ``"aot_eager"`` /
             ``"eager"`` to debug. Default: ``"inductor"``.
         strict (bool): raise instead of leaving a site that cannot be rewritten as written
@@ -107,6 +114,10 @@ class RingDilatedConfig:
 
     layout: Layout = "contiguous"
     """How the sequence is cut into rank shards: ``"contiguous"`` or ``"zigzag"``."""
+
+    comm: Comm = "ring"
+    """``"ring"``: K/V go round a ring of the ranks; ``"all_to_all"``: the ranks exchange
+    sequence shards for head shards and back (Note [Heads across ranks])."""
 
     compiler: Compiler = "inductor"
     """What lowers the rewritten graph: ``"inductor"``, or ``"aot_eager"`` / ``"eager"`` to debug."""
@@ -178,6 +189,10 @@ class RingDilatedConfig:
             raise ValueError(f"sharding must be 'replicated' or 'sharded', got {self.sharding!r}")
         if self.layout not in ("contiguous", "zigzag"):
             raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {self.layout!r}")
+        if self.comm not in ("ring", "all_to_all"):
+            raise ValueError(f"comm must be 'ring' or 'all_to_all', got {self.comm!r}")
+        if self.comm == "all_to_all" and self.sharding != "sharded":
+            raise ValueError("comm='all_to_all' needs sharding='sharded' (each rank holds its shard of the sequence)")
         if self.compiler not in ("inductor", "aot_eager", "eager"):
             raise ValueError(
                 f"compiler must be 'inductor', 'aot_eager' or 'eager', got {self.compiler!r}"

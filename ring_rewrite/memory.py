@@ -44,6 +44,11 @@ type); the peak is the most held at any step, beyond the site's inputs. Reorderi
 * Replicated mode's gathers: forward, every rank's out received, then stacked; backward, the
   whole out (which the caller holds through the backward) and the whole gradients, and the
   received and stacked shards of the largest.
+* An all-to-all site (Note [Heads across ranks]) walks its inner plan's steps with that plan's
+  sizes, beside what its exchanges hold: each exchange needs the pieces sent and those received
+  beside the tensor, then holds the result; the exchanged q, k, v are saved for the backward,
+  and each gradient exchanged back frees its heads' layout. Not yet compared with measured
+  peaks.
 
 Not counted: the block kernel's per-thread tiles (ours: about 0.5 MiB a thread at 64 dims,
 backward, and 8 bytes for each query row of a kv head's group; about 1 MiB for aten's), what
@@ -55,11 +60,13 @@ measured peaks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .kernels import DROPOUT_CHUNK
 from .ops import BAND_CHUNK
-from .program import Block, Cast, Dilate, Gather, Land, Merge, Program, Step, Undilate, build
+from .program import Block, Cast, Dilate, Exchange, Gather, Land, Merge, Program, Step, Undilate, build
 from .site_plan import SitePlan
 
 __all__ = ["site_memory", "copies_gradients"]
@@ -72,10 +79,18 @@ def site_memory(plan: SitePlan) -> dict[str, int]:
     ``stat_dtype``; q, k, v are the inputs'). ``peak``: the most the site holds at once beyond
     its inputs, forward or backward.
     """
-    out, lse = _site_out(plan)
-    forward = _Forward(plan).walk(_inductor_order(plan, build(plan, "forward", folded=True)))
-    backward = _Backward(plan).walk(build(plan, "backward", folded=True).steps)
-    return {"saved": out + lse, "peak": max(forward, backward)}
+    sizes = plan.inner if plan.exchanged else plan  # an all-to-all site's blocks are its inner plan's
+    out, lse = _site_out(sizes)
+    # An all-to-all site saves its q, k, v as exchanged to heads (Note [Heads across ranks]).
+    steps = build(plan, "forward", folded=True).steps
+    heads = sum(_size(s) for s in steps if isinstance(s, Exchange) and s.to == "heads")
+    forward = _Forward(sizes).walk(_inductor_order(sizes, build(plan, "forward", folded=True)))
+    backward = _Backward(sizes, heads).walk(build(plan, "backward", folded=True).steps)
+    return {"saved": out + lse + heads, "peak": max(forward, backward)}
+
+
+def _size(step: Exchange) -> int:
+    return math.prod(step.shape) * _itemsize(step.dtype)
 
 
 def copies_gradients(plan: SitePlan, branch) -> bool:
@@ -118,6 +133,13 @@ class _Walk:
 
     def branch(self, i: int):
         return self.plan.branches[i]
+
+    def on_Exchange(self, step: Exchange) -> None:
+        """An all-to-all (Note [Heads across ranks]): the pieces sent and those received beside
+        the tensor while it runs, then the exchanged tensor."""
+        size = _size(step)
+        self.scratch(2 * size)
+        self.hold(f"exchanged {step.tensor}", size)
 
     def ring_blocks(self, step: Block, backward: bool, results: int) -> None:
         """A ring branch's blocks (folded: its first head chunk's, each once): the working set of
@@ -192,7 +214,7 @@ def _inductor_order(plan: SitePlan, program: Program) -> list[Step]:
 
 
 class _Backward(_Walk):
-    def __init__(self, plan: SitePlan):
+    def __init__(self, plan: SitePlan, saved: int = 0):
         super().__init__(plan)
         item, _, stat = _itemsizes(plan)
         rows, kv_rows = plan.batch * plan.hq * plan.n_local, plan.batch * plan.hkv * plan.n_local
@@ -203,7 +225,7 @@ class _Backward(_Walk):
         self.chunks = len(plan.local_chunks()) if local else 1
         self.rings = [i for i, b in enumerate(plan.branches) if not b.is_local]
         self.locals_begun = False
-        self.hold("saved", sum(_site_out(plan)))
+        self.hold("saved", sum(_site_out(plan)) + saved)
 
     def begin_locals(self) -> None:
         """The first step after the rings' blocks: their dq concatenated, and the site's
@@ -278,6 +300,18 @@ class _Backward(_Walk):
             self.free(f"grads {step.branch}")
             if not any(name.startswith("grads ") for name in self.held):
                 self.free("rings' dq")
+
+    def on_Exchange(self, step: Exchange) -> None:
+        """``dout`` to heads as any exchange; the gradients back to the sequence one at a time,
+        each freeing its heads' layout (the inner call's gradients, all that it holds then)."""
+        if step.to == "heads":
+            super().on_Exchange(step)
+            return
+        if "inner grads" not in self.held:
+            self.free(*[name for name in self.held if name != "saved"])
+            self.hold("inner grads", sum(self.grads))
+        super().on_Exchange(step)
+        self.held["inner grads"] -= self.grads[("dq", "dk", "dv").index(step.tensor)]
 
     def on_Land(self, step: Land) -> None:
         """Counted with the ring's gradients (``_branch_grads``) until they are added."""

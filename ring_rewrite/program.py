@@ -66,7 +66,8 @@ if TYPE_CHECKING:
     from .site_plan import SitePlan
 
 __all__ = [
-    "Block", "Cast", "Chunk", "Dilate", "Gather", "Land", "Merge", "Program", "Start", "Undilate", "Wait", "build",
+    "Block", "Cast", "Chunk", "Dilate", "Exchange", "Gather", "Land", "Merge", "Program", "Start", "Undilate", "Wait",
+    "build",
 ]  # fmt: skip
 
 _DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -298,7 +299,27 @@ class Gather:
         return f"gather    {self.index}  {self.tensor} {_shape(self.shape)} {_DTYPES.get(self.dtype, self.dtype)}"
 
 
-Step = Union[Dilate, Start, Wait, Chunk, Block, Merge, Land, Undilate, Cast, Gather]
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """An all-to-all site's ``index``-th all-to-all (Note [Heads across ranks]): ``tensor``
+    (``shape`` on this rank as its shard of the sequence, ``dtype``) turned ``to`` ``"heads"``
+    (this rank's shard of the sequence for every head -> the whole sequence for its heads) or
+    back ``to`` ``"sequence"``; ``bytes`` this rank sends (every other rank's piece, each with
+    the message's tag)."""
+
+    index: int
+    tensor: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    to: str
+    bytes: int
+    times: int = 1
+
+    def __str__(self) -> str:
+        return f"exchange  {self.index}  {self.tensor} {_shape(self.shape)} {_DTYPES.get(self.dtype, self.dtype)} to {self.to}"
+
+
+Step = Union[Dilate, Start, Wait, Chunk, Block, Merge, Land, Undilate, Cast, Gather, Exchange]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,10 +338,11 @@ class Program:
     def blocks(self, branch: int | None = None) -> list[Block]:
         return [s for s in self.steps if isinstance(s, Block) and branch in (None, s.branch)]
 
-    def transfers(self, branch: int | None = None) -> list[Start | Gather]:
-        """Ring transfers (``Start``) and gathers, in issue order (``branch``: its ring's only)."""
+    def transfers(self, branch: int | None = None) -> list[Start | Gather | Exchange]:
+        """Ring transfers (``Start``), gathers and all-to-alls, in issue order (``branch``: its
+        ring's only)."""
         if branch is None:
-            return [s for s in self.steps if isinstance(s, (Start, Gather))]
+            return [s for s in self.steps if isinstance(s, (Start, Gather, Exchange))]
         return [s for s in self.steps if isinstance(s, Start) and s.tag.branch == branch]
 
     def flops(self, branch: int | None = None) -> int:
@@ -351,7 +373,7 @@ class Program:
         for s in self.steps:
             if isinstance(s, Block):
                 key, flops, sent, message = s.branch, 2 * s.batch * s.heads * s.pairs * (self.d + self.dv) * s.times, 0, 0
-            elif isinstance(s, (Start, Gather)):
+            elif isinstance(s, (Start, Gather, Exchange)):
                 key = s.tag.branch if isinstance(s, Start) else None
                 flops, sent, message = 0, s.bytes * s.times, s.bytes
             else:
@@ -389,7 +411,10 @@ def build(plan: SitePlan, graph: str, *, folded: bool = False) -> Program:
 
 
 def _build(plan: SitePlan, graph: str, folded: bool) -> Program:
-    steps = _forward(plan, folded) if graph == "forward" else _backward(plan, folded)
+    if plan.exchanged:
+        steps = _exchanged(plan, graph, folded)
+    else:
+        steps = _forward(plan, folded) if graph == "forward" else _backward(plan, folded)
     title = f"site {plan.site} {graph}"
     if plan.world > 1:
         title += f", rank {plan.rank} of {plan.world} ({plan.sharding}, {plan.layout})"
@@ -452,6 +477,28 @@ def _ring_forward(plan: SitePlan, i: int, branch: Branch, folded: bool) -> list[
         steps += _folded_blocks(plan, i, branch, heads, backward=False) if folded else []
         steps.append(Merge(i, chunk=c))
     return steps
+
+
+# ---- heads across ranks ---------------------------------------------------------------------
+
+
+def _exchanged(plan: SitePlan, graph: str, folded: bool) -> list[Step]:
+    """An all-to-all site: its inputs to heads, the inner plan's program, its results back to
+    the sequence, one all-to-all a tensor (Note [Heads across ranks])."""
+    inputs, results = (("q", "k", "v"), ("out",)) if graph == "forward" else (("dout",), ("dq", "dk", "dv"))
+    first = [_exchange(plan, j, name, "heads") for j, name in enumerate(inputs)]
+    last = [_exchange(plan, len(inputs) + j, name, "sequence") for j, name in enumerate(results)]
+    return [*first, *build(plan.inner, graph, folded=folded).steps, *last]
+
+
+def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
+    """``name`` exchanged ``to`` heads or the sequence: ``(B, H, N / P, D)`` on this rank before
+    (to heads) or after (to the sequence); this rank sends every other rank its piece, ``1 / P``
+    of it, and the message's tag."""
+    heads = plan.hkv if name in ("k", "v", "dk", "dv") else plan.hq
+    shape = (plan.batch, heads, plan.n_local, plan.d if name in ("q", "k", "dq", "dk") else plan.dv)
+    piece = math.prod(shape) * _itemsize(plan.dtype) // plan.world
+    return Exchange(index, name, shape, plan.dtype, to, (plan.world - 1) * (piece + 8))
 
 
 # ---- the backward ---------------------------------------------------------------------------

@@ -169,6 +169,7 @@ class Report:
                     {
                         "branches (w, r)": " ".join(_branch_summary(plan, b) for b in plan.branches),
                         "P / mode / layout": f"{plan.world} / {plan.sharding} / {plan.layout}"
+                        + (", all-to-all" if plan.exchanged else "")
                         + (f" (N padded to {plan.n})" if plan.pad else "")
                         if plan.world > 1
                         else "1",

@@ -5,6 +5,24 @@ The rewrite (``passes/rewrite_sdpa.py``) builds a plan per site; the site's prog
 (``program.build``, Note [The site program]) is built from it, and the interpreter
 (``attention.py``) runs that program.
 
+Note [Heads across ranks]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``comm="all_to_all"`` (sharded mode, more than one rank) a site moves its inputs, not K/V.
+An all-to-all turns this rank's shard of the sequence for every head into the whole sequence for
+``H / P`` of the heads (rank ``j`` takes heads ``[j H / P, (j + 1) H / P)``, query and key/value
+heads alike, so GQA's groups stay whole); the rank attends them as one process would
+(``SitePlan.inner``: the same branches over the whole sequence, all local, no ring); a second
+all-to-all turns the output back. The backward exchanges ``dout`` to heads and ``dq, dk, dv``
+back: the forward saves the exchanged q, k, v and its out and lse in the heads' layout. Each
+all-to-all is point-to-point (``all_to_all_seq``: one transfer per distance, on the site's token
+chain, with the headers, deadlines and named errors of the ring's transfers) and sends ``(P - 1)
+/ P`` of a tensor per rank whatever ``P``, where a ring passes every K/V by every rank; a rank's
+blocks then run the whole sequence. The program lists the all-to-alls (``program.Exchange``) around
+the inner plan's steps. A dilated branch gives head ``j`` the lattice offset ``j % r``, so a
+rank's heads keep their offsets only where ``H / P`` is a multiple of every rate; heads must
+split evenly, and masks, documents and dropout do not travel with the exchange: a site that
+cannot run so is an error naming ``comm="ring"`` (``_check_exchange``).
+
 Note [Head chunks]
 ~~~~~~~~~~~~~~~~~~
 Heads never interact, so a ring branch may run its whole ring for a slice of the heads, then
@@ -45,6 +63,7 @@ of q each (in place, the Note below, one running pair), and needs no chunks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -109,19 +128,27 @@ class SitePlan:
     recentred: bool = False
     """Whether the key bias holds more than a mask (a bias such as ALiBi's, which grows with the
     position): block calls then recentre it (Note [Recentred key biases])."""
+    comm: str = "ring"
+    """``"all_to_all"`` (with more than one rank): the site exchanges sequence shards for head
+    shards, attends the whole sequence for its heads (``inner``) and exchanges back (Note
+    [Heads across ranks]); its branches are ``inner``'s."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0, band=None, documents=None, recentred=False,
+        pad=0, dropout=0.0, band=None, documents=None, recentred=False, comm="ring",
     ):  # fmt: skip
         if world > 1:
             layout_of(layout).chunk_size(n, world)  # raises where n does not cut evenly
+        exchanged = comm == "all_to_all" and world > 1
+        if exchanged:
+            _check_exchange(hq, hkv, world, branches, has_mask or band is not None or bool(documents), dropout)
+        share = world if exchanged else 1  # all-to-all: the whole sequence, H / P heads
         plans = tuple(
             schedule_branch(
-                w, r, n_global=n, world=world, rank=rank, layout=layout, is_causal=is_causal,
-                batch=batch, hq=hq, hkv=hkv,
+                w, r, n_global=n, world=1 if exchanged else world, rank=0 if exchanged else rank, layout=layout,
+                is_causal=is_causal, batch=batch, hq=hq // share, hkv=hkv // share,
             )  # fmt: skip
             for w, r in branches
         )
@@ -129,7 +156,21 @@ class SitePlan:
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
             world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band, documents,
-            recentred and has_mask,
+            recentred and has_mask, "all_to_all" if exchanged else "ring",
+        )  # fmt: skip
+
+    @property
+    def exchanged(self) -> bool:
+        """Whether the site runs across its ranks by all-to-all (Note [Heads across ranks])."""
+        return self.comm == "all_to_all"
+
+    @functools.cached_property
+    def inner(self) -> SitePlan:
+        """An all-to-all site's attention on one rank: the whole sequence for its ``H / P``
+        heads (query heads and kv heads alike), with the same branches."""
+        return dataclasses.replace(
+            self, hq=self.hq // self.world, hkv=self.hkv // self.world, world=1, rank=0, group_name="",
+            ranks=(self.ranks[self.rank],), comm="ring",
         )  # fmt: skip
 
     @property
@@ -206,3 +247,22 @@ class SitePlan:
         # Padded keys sit after every real query, so causal attention never sees them.
         padded = self.pad or branch.layout.padded != branch.layout.n
         return self.has_mask or (padded and not self.is_causal)
+
+
+def _check_exchange(hq: int, hkv: int, world: int, branches, masked: bool, dropout: float) -> None:
+    """Raise ValueError where an all-to-all cannot carry the site (Note [Heads across ranks])."""
+    fix = "use comm='ring'"
+    if hq % world or hkv % world:
+        raise ValueError(
+            f"comm='all_to_all' splits the heads over the {world} ranks, but {hq} query heads and "
+            f"{hkv} key/value heads are not both multiples of {world}; {fix}"
+        )
+    for _, r in branches:
+        if (hq // world) % r:
+            raise ValueError(
+                f"comm='all_to_all' gives each rank {hq // world} query heads, not a multiple of the "
+                f"dilation rate {r}: a rank's heads would not keep their lattice offsets (head j "
+                f"takes j % r); {fix}"
+            )
+    if masked or dropout:
+        raise ValueError(f"comm='all_to_all' takes no attention mask, documents or dropout; {fix}")

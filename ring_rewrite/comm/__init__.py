@@ -12,7 +12,7 @@
 * ``transfers.py``: ``ring_shift_start`` / ``ring_shift_wait`` (Note [Buffers in flight], Note
   [The CUDA transport]); ``waiter.py``: the transfers in flight, and the thread that waits for
   gloo's;
-* ``gather.py``: ``all_gather_seq``;
+* ``gather.py``: ``all_gather_seq``, ``all_to_all_seq``;
 * ``lowering.py``: inductor's lowering of a transfer;
 * ``errors.py``: ``TransferTimeout``, ``RingOutOfStep``.
 

@@ -1,4 +1,5 @@
-"""``all_gather_seq``: every rank's tensor, gathered by point-to-point transfers."""
+"""``all_gather_seq`` and ``all_to_all_seq``: every rank's tensor gathered, or every rank's
+pieces exchanged, by point-to-point transfers."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import torch
 import torch.distributed as dist
 
 from .groups import _group, global_rank
-from .tags import GATHER, transfer_tag
+from .tags import EXCHANGE, GATHER, transfer_tag
 from .transfers import _finish, _message_tag, _start
 
-__all__ = ["all_gather_seq"]
+__all__ = ["all_gather_seq", "all_to_all_seq"]
 
 
 @torch.library.custom_op("ring_rewrite::all_gather_seq", mutates_args=())
@@ -79,3 +80,46 @@ def _(x, token, group_name, world, tag, same=None):
 
 
 torch.fx.node.has_side_effect(torch.ops.ring_rewrite.all_gather_seq.default)
+
+
+@torch.library.custom_op("ring_rewrite::all_to_all_seq", mutates_args=())
+def all_to_all_seq(
+    x: torch.Tensor, token: torch.Tensor, group_name: str, world: int, tag: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's pieces exchanged: ``x[j]`` goes to rank ``j`` of the group, and the result's
+    ``[j]`` is what rank ``j`` sent this one (its ``x[me]``); ``x`` is ``(world, ...)``.
+
+    Point-to-point like ``all_gather_seq`` (one transfer per distance, recovered like any
+    transfer), ``tag`` in every payload: ranks that exchanged different tensors fail loudly.
+    """
+    _, tag, _, timeout = _message_tag(token, tag)
+    check = _tag_bytes(tag, x.device)
+    me = dist.get_rank(_group(group_name))
+    pieces = x.contiguous().view(world, -1).view(torch.uint8)
+    keys = [
+        _start(
+            group_name, token, [torch.cat([pieces[(me + d) % world], check])], (me + d) % world,
+            (me - d) % world, transfer_tag(EXCHANGE, GATHER, d),
+        )  # fmt: skip
+        for d in range(1, world)
+    ]
+    out = torch.empty_like(pieces)
+    out[me] = pieces[me]
+    for d, pending in zip(range(1, world), _finish(keys, timeout)):
+        got = pending.received[0]
+        if int(got[-check.numel() :].view(torch.int64)) != tag:
+            raise RuntimeError(
+                f"ring_rewrite: all_to_all_seq mixed transfers: rank {(me - d) % world} sent tag "
+                f"{int(got[-check.numel() :].view(torch.int64))} (expected {tag}); the ranks ran "
+                "their all-to-alls in different orders"
+            )
+        out[(me - d) % world] = got[: -check.numel()]
+    return out.view(x.dtype).view(x.shape), token.clone()
+
+
+@all_to_all_seq.register_fake
+def _(x, token, group_name, world, tag):
+    return x.new_empty(x.shape), token.new_empty(token.shape)
+
+
+torch.fx.node.has_side_effect(torch.ops.ring_rewrite.all_to_all_seq.default)

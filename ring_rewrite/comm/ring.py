@@ -43,7 +43,7 @@ import dataclasses
 
 import torch
 
-from .tags import GATHER, transfer_tag
+from .tags import EXCHANGE, GATHER, transfer_tag
 
 __all__ = ["InFlight", "Ring", "Rotater"]
 
@@ -100,6 +100,15 @@ class Rotater:
             x, self.token, self.group_name, world, transfer_tag(0, GATHER, index), same
         )
         return stacked
+
+
+    def all_to_all(self, x, world: int, index: int):
+        """``x[j]`` sent to rank ``j``, and what every rank sent this one, stacked
+        (``all_to_all_seq``): the site's ``index``-th all-to-all."""
+        got, self.token = torch.ops.ring_rewrite.all_to_all_seq(
+            x, self.token, self.group_name, world, transfer_tag(EXCHANGE, GATHER, index)
+        )
+        return got
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["DKV", "KV", "KV_BACK", "MAX_BRANCHES", "Tag", "transfer_tag"]
+__all__ = ["DKV", "EXCHANGE", "KV", "KV_BACK", "MAX_BRANCHES", "Tag", "transfer_tag"]
 
 
 # Transfer kinds, a field of a tag.
 KV, KV_BACK, DKV, GATHER = range(4)
+EXCHANGE = 1  # the branch field of an all-to-all's tags (kind GATHER)
 _KINDS = ("K/V", "K/V (backward)", "dK/dV", "gather")
 # A tag's fields and their widths in bits, from the low bits up (Tag.encode).
 _TAG_LAYOUT = (("step", 10), ("chunk", 6), ("kind", 2), ("branch", 4))
@@ -21,8 +22,9 @@ _CALL_BITS = 6  # the call number's low bits above it; 8 * (wire tag) + message 
 @dataclasses.dataclass(frozen=True)
 class Tag:
     """A transfer's place in its site call: which branch, kind (``KV``, ``KV_BACK``, ``DKV``,
-    ``GATHER``), ring step and head chunk. A gather's is branch 0, its step the gather's index
-    in the call or, for each of its messages, the distance it goes (``all_gather_seq``).
+    ``GATHER``), ring step and head chunk. A gather's is branch 0, an all-to-all's branch
+    ``EXCHANGE`` (kind ``GATHER`` both), its step the index in the call or, for each of its
+    messages, the distance it goes (``all_gather_seq``, ``all_to_all_seq``).
 
     Graphs, ``_PENDING`` and the messages carry it as one int, ``encode()``: from the low bits
     up the step (10 bits), head chunk (6), kind (2) and branch (4), below ``2**22``; on the wire
@@ -68,7 +70,7 @@ class Tag:
 
     def __str__(self) -> str:
         if self.kind == GATHER:
-            return f"gather at distance {self.step}"
+            return f"{'all-to-all' if self.branch == EXCHANGE else 'gather'} at distance {self.step}"
         return f"branch {self.branch}, step {self.step}, {_KINDS[self.kind]}, head chunk {self.chunk}"
 
 

@@ -1,0 +1,130 @@
+"""``comm="all_to_all"``: sequence shards exchanged for head shards and back (Note [Heads across
+ranks]), against the float64 reference at P = 2 and 4 under inductor, with gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import ring_rewrite
+from ring_rewrite.program import Exchange
+from ring_rewrite.reference import reference_attention
+from ring_rewrite.report import attention_memory_bytes, bytes_sent
+from ring_rewrite.site_plan import SitePlan
+
+from conftest import rel_err
+from ranks import run_ranks
+
+BOUND = 1e-5  # float32 (docs/semantics.md, Accuracy)
+N, D = 64, 8
+# (segment_lengths, dilation_rates, is_causal, query heads per rank, kv heads per rank)
+CASES = [(None, None, True, 2, 2), ([16, 64], [1, 2], False, 2, 1), ([16, 32, 64], [1, 2, 4], True, 4, 2)]
+
+
+def _sdpa(q, k, v, *, is_causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _case(rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(2, hq * world, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, hkv * world, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    group = (hq * world) // (hkv * world)
+    expected = reference_attention(
+        whole[0], whole[1].repeat_interleave(group, 1), whole[2].repeat_interleave(group, 1),
+        segment_lengths=seg, dilation_rates=rates, is_causal=causal,
+    )  # fmt: skip
+    expected.backward(dout)
+    local = [ring_rewrite.shard(x.float(), 2, layout=layout).requires_grad_() for x in (q, k, v)]
+    options = dict(sharding="sharded", layout=layout, comm="all_to_all", compiler=compiler, timeout=60)
+    if seg is not None:
+        options.update(segment_lengths=seg, dilation_rates=rates)
+    backend = ring_rewrite.backend(**options)
+    torch._dynamo.reset()  # every case compiles with its own backend
+    counters.clear()
+    out = torch.compile(lambda *x: _sdpa(*x, is_causal=causal), backend=backend)(*local)
+    sent_forward = counters["ring_rewrite"]["bytes_sent"]
+    out.backward(ring_rewrite.shard(dout.float(), 2, layout=layout))
+    (record,) = backend.records
+    assert record.rewritten and record.plan.exchanged, record
+    assert bytes_sent(record.plan) == {"forward": sent_forward, "backward": counters["ring_rewrite"]["bytes_sent"] - sent_forward}
+    exchanges = [s.tensor for s in record.forward_program.transfers()]
+    assert exchanges == ["q", "k", "v", "out"] and all(isinstance(s, Exchange) for s in record.forward_program.transfers())
+    assert [s.tensor for s in record.backward_program.transfers()] == ["dout", "dq", "dk", "dv"]
+    what = (compiler, layout, seg, rates, causal, world)
+    got = ring_rewrite.unshard(out.detach(), 2, layout=layout)
+    assert rel_err(got, expected.detach()) < BOUND, what
+    for name, x, ref in zip("qkv", local, whole):
+        assert rel_err(ring_rewrite.unshard(x.grad, 2, layout=layout), ref.grad) < BOUND, (name, *what)
+
+
+def _cases(rank: int, world: int, compiler: str) -> None:
+    for layout in ("contiguous", "zigzag"):
+        for case in CASES:
+            _case(rank, world, compiler, layout, *case)
+    _refused(rank, world)
+
+
+def _refused(rank: int, world: int) -> None:
+    """A site the all-to-all cannot carry is an error naming comm='ring', on every rank."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 2 * world + 1, N // world, D)  # heads the ranks cannot share
+    compiled = torch.compile(
+        lambda q: F.scaled_dot_product_attention(q, q, q),
+        backend=ring_rewrite.backend(sharding="sharded", comm="all_to_all", compiler="aot_eager", timeout=60),
+    )
+    with pytest.raises(Exception, match="comm='ring'"):
+        compiled(q)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_matches_the_reference_under_inductor(world):
+    run_ranks(world, _cases, "inductor")
+
+
+def test_all_to_all_matches_the_reference_under_aot_eager():
+    run_ranks(2, _cases, "aot_eager")
+
+
+def _plan(**fields) -> SitePlan:
+    base = dict(
+        batch=1, hq=8, hkv=4, n=256, d=16, dv=16, dtype=torch.float32, scale=0.25, is_causal=True,
+        has_mask=False, branches=((256, 1),), world=4, rank=1, sharding="sharded", comm="all_to_all",
+    )  # fmt: skip
+    return SitePlan.build(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(hq=6, hkv=6), "not both multiples of 4"),
+        (dict(hkv=2), "not both multiples of 4"),
+        (dict(branches=((64, 1), (256, 4))), "not a multiple of the dilation rate 4"),
+        (dict(has_mask=True), "no attention mask"),
+        (dict(dropout=0.1), "no attention mask, documents or dropout"),
+    ],
+    ids=["heads", "kv-heads", "rate", "mask", "dropout"],
+)
+def test_what_the_all_to_all_cannot_carry_is_an_error(fields, match):
+    with pytest.raises(ValueError, match=match):
+        _plan(**fields)
+    with pytest.raises(ValueError, match="needs sharding='sharded'"):
+        ring_rewrite.RingDilatedConfig(comm="all_to_all")
+
+
+def test_an_all_to_all_site_attends_its_heads_over_the_whole_sequence():
+    """The inner plan: the whole sequence for H / P heads, every branch local; the site saves
+    its exchanged q, k, v beside the inner out and lse, and sends (P - 1) / P of each tensor."""
+    plan = _plan(branches=((64, 1), (256, 2)))
+    inner = plan.inner
+    assert (inner.world, inner.n_local, inner.hq, inner.hkv) == (1, 256, 2, 1)
+    assert all(b.is_local for b in plan.branches) and plan.branches == inner.branches
+    shard = 64 * 16 * 4  # one head's shard of 64 tokens, float32
+    qkv = (8 + 4 + 4) * shard
+    assert attention_memory_bytes(plan)["saved"] == qkv + 2 * 256 * (16 * 4 + 4)
+    pieces = {"forward": (8 + 4 + 4 + 8) * shard, "backward": (8 + 8 + 4 + 4) * shard}
+    # to each of the 3 other ranks its quarter of every tensor, each message with its 8-byte tag
+    assert bytes_sent(plan) == {g: 3 * (b // 4 + 4 * 8) for g, b in pieces.items()}
