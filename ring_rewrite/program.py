@@ -313,6 +313,8 @@ class Exchange:
     dtype: torch.dtype
     to: str
     bytes: int
+    message: int
+    """One message: a piece and its tag."""
     times: int = 1
 
     def __str__(self) -> str:
@@ -375,7 +377,7 @@ class Program:
                 key, flops, sent, message = s.branch, 2 * s.batch * s.heads * s.pairs * (self.d + self.dv) * s.times, 0, 0
             elif isinstance(s, (Start, Gather, Exchange)):
                 key = s.tag.branch if isinstance(s, Start) else None
-                flops, sent, message = 0, s.bytes * s.times, s.bytes
+                flops, sent, message = 0, s.bytes * s.times, s.message if isinstance(s, Exchange) else s.bytes
             else:
                 continue
             f, b, m = counts.get(key, (0, 0, 0))
@@ -498,7 +500,7 @@ def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
     heads = plan.hkv if name in ("k", "v", "dk", "dv") else plan.hq
     shape = (plan.batch, heads, plan.n_local, plan.d if name in ("q", "k", "dq", "dk") else plan.dv)
     piece = math.prod(shape) * _itemsize(plan.dtype) // plan.world
-    return Exchange(index, name, shape, plan.dtype, to, (plan.world - 1) * (piece + 8))
+    return Exchange(index, name, shape, plan.dtype, to, (plan.world - 1) * (piece + 8), piece + 8)
 
 
 # ---- the backward ---------------------------------------------------------------------------

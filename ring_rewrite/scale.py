@@ -23,7 +23,8 @@ from tabulate import tabulate
 
 from .site_plan import SitePlan
 from .config import RingDilatedConfig
-from .report import attention_memory_bytes, branch_bytes_sent, branch_flops
+from .program import build
+from .report import attention_memory_bytes, branch_bytes_sent, branch_flops, bytes_sent
 
 __all__ = ["ScalePlan", "plan"]
 
@@ -44,6 +45,8 @@ class ScalePlan:
     Args:
         plans (tuple[SitePlan, ...]): one site plan per rank of the group, rank 0 first.
         layers (int): attention layers of the model, for ``totals["model peak"]``. Default: 1.
+        alternative (ScalePlan or str, optional): the same layer under the other ``comm``, or
+            why it cannot run so. Default: ``None``.
 
     Attributes:
         site (SitePlan): rank 0's plan (shapes, branches, world, sharding, layout).
@@ -67,6 +70,9 @@ class ScalePlan:
     plans: tuple[SitePlan, ...]
     """One per rank of the group, as the rewrite would build them."""
     layers: int = 1
+    alternative: ScalePlan | str | None = None
+    """The same layer under the other ``comm`` (Note [Heads across ranks]), or why it cannot run
+    so; ``str`` compares the two."""
 
     @property
     def site(self) -> SitePlan:
@@ -102,14 +108,16 @@ class ScalePlan:
         flops = max(sum(branch_flops(p, b) for b in p.branches) for p in self.plans)
         memory = [attention_memory_bytes(p) for p in self.plans]
         saved, peak = max(m["saved"] for m in memory), max(m["peak"] for m in memory)
+        sent = [bytes_sent(p) for p in self.plans]  # the ring's transfers, gathers, all-to-alls
+        message = max(build(p, graph, folded=True).largest_message() for p in self.plans for graph in ("forward", "backward"))
         item = torch.empty((), dtype=site.dtype).element_size()
         inputs = site.batch * site.n_local * (site.hq * site.d + site.hkv * (site.d + site.dv)) * item
         return {
             "forward flops": flops,
             "backward flops": round(BACKWARD_FLOPS * flops),
-            "sent forward": sum(r["sent fwd"] for r in rows),
-            "sent backward": sum(r["sent bwd"] for r in rows),
-            "largest message": max((r["message"] for r in rows), default=0),
+            "sent forward": max(s["forward"] for s in sent),
+            "sent backward": max(s["backward"] for s in sent),
+            "largest message": max([message, *(r["message"] for r in rows)]),
             "q, k, v": inputs,
             "saved": saved,
             "peak": peak,
@@ -120,7 +128,7 @@ class ScalePlan:
         site, totals = self.site, self.totals
         head = (
             f"ring_dilated plan: N = {site.n:,} tokens over {site.world} ranks ({site.n_local:,} per rank, "
-            f"{site.sharding}, {site.layout}), batch {site.batch}, {site.hq} query / {site.hkv} kv heads "
+            f"{site.sharding}, {site.layout}{', all-to-all' if site.exchanged else ''}), batch {site.batch}, {site.hq} query / {site.hkv} kv heads "
             f"of {site.d}, {str(site.dtype).removeprefix('torch.')}, causal {site.is_causal}; per rank, "
             "the most of any rank"
         )
@@ -146,12 +154,24 @@ class ScalePlan:
             f"{_gib(totals['saved'])} GiB; attention peak {_gib(totals['peak'])} GiB (estimate "
             "as inductor schedules the site, Note [Memory of a site])",
         ]
+        if isinstance(self.alternative, ScalePlan):
+            other = self.alternative.totals
+            lines.append(
+                f"comm={self.alternative.site.comm!r} instead: sends {_gib(other['sent forward'])} GiB forward, "
+                f"{_gib(other['sent backward'])} GiB backward; attention peak {_gib(other['peak'])} GiB"
+            )
+        elif self.alternative is not None:
+            lines.append(f"comm={_other(site.comm)!r} instead: cannot run ({self.alternative})")
         if self.layers > 1:
             lines.append(
                 f"{self.layers} layers: {_gib(totals['model peak'])} GiB (each layer's q, k, v and "
                 "saved tensors, one layer's peak; no weights, MLPs or optimizer)"
             )
         return "\n".join(lines)
+
+
+def _other(comm: str) -> str:
+    return "all_to_all" if comm == "ring" else "ring"
 
 
 def _gib(n: int) -> str:
@@ -174,6 +194,7 @@ def plan(
     dilation_rates: Sequence[int] | None = None,
     sharding: str = "sharded",
     layout: str = "zigzag",
+    comm: str = "ring",
 ) -> ScalePlan:
     """What one attention layer of ``seq_len`` tokens needs on each of ``world_size`` ranks.
 
@@ -203,6 +224,8 @@ def plan(
             Default: ``"sharded"``.
         layout (str): ``"zigzag"`` or ``"contiguous"``, as ``RingDilatedConfig``.
             Default: ``"zigzag"``.
+        comm (str): ``"ring"`` or ``"all_to_all"``, as ``RingDilatedConfig``; the plan also
+            says what the other would send and hold, or why it cannot run. Default: ``"ring"``.
 
     Returns:
         ScalePlan: the plans of every rank; ``print`` it for the table.
@@ -226,15 +249,29 @@ def plan(
         ring across GPUs (NCCL) has never been measured.
     """
     config = RingDilatedConfig(
-        segment_lengths=segment_lengths, dilation_rates=dilation_rates, sharding=sharding, layout=layout
+        segment_lengths=segment_lengths, dilation_rates=dilation_rates, sharding=sharding, layout=layout, comm=comm
     )
     kv_heads = heads if kv_heads is None else kv_heads
-    plans = tuple(
-        SitePlan.build(
-            batch=batch, hq=heads, hkv=kv_heads, n=seq_len, d=head_dim, dv=head_dim, dtype=dtype,
-            device=device, scale=head_dim**-0.5, is_causal=is_causal, has_mask=False,
-            branches=config.branches(seq_len), world=world_size, rank=rank, sharding=sharding, layout=layout,
-        )  # fmt: skip
-        for rank in range(world_size)
-    )
-    return ScalePlan(plans, layers)
+
+    def plans(comm: str) -> tuple[SitePlan, ...]:
+        return tuple(
+            SitePlan.build(
+                batch=batch, hq=heads, hkv=kv_heads, n=seq_len, d=head_dim, dv=head_dim, dtype=dtype,
+                device=device, scale=head_dim**-0.5, is_causal=is_causal, has_mask=False,
+                branches=config.branches(seq_len), world=world_size, rank=rank, sharding=sharding, layout=layout,
+                comm=comm,
+            )  # fmt: skip
+            for rank in range(world_size)
+        )
+
+    mine = plans(comm)
+    other = "all_to_all" if comm == "ring" else "ring"
+    alternative: ScalePlan | str | None = None
+    if world_size > 1:
+        try:
+            if sharding != "sharded":
+                raise ValueError("comm='all_to_all' needs sharding='sharded'")
+            alternative = ScalePlan(plans(other), layers)
+        except ValueError as error:
+            alternative = str(error)
+    return ScalePlan(mine, layers, alternative)

@@ -138,3 +138,22 @@ def test_memory_walks_the_program():
     copies = 2048 // 4 * 8 * (64 + 2 * 64) * 4  # q, k, v of 2,048 rows at rate 4, 8 heads, float32
     assert early - moved == copies
     assert memory.site_memory(site)["peak"] >= early
+
+
+def test_a_plan_says_what_the_other_comm_would_send():
+    """Exact attention over 8 ranks: the all-to-all sends 7/8 of q, k, v and out forward (of dout,
+    dq, dk, dv backward), the ring its K/V 7 times forward and K/V with dK/dV backward; where the
+    heads cannot be split over the ranks the plan says why."""
+    n, world, heads, kv, d = 2**14, 8, 16, 8, 64
+    p = ring_rewrite.plan(n, world, heads=heads, kv_heads=kv, head_dim=d, dtype=torch.bfloat16)
+    other = p.alternative
+    assert p.site.comm == "ring" and other.site.comm == "all_to_all" and other.site.exchanged
+    shard = n // world * d * 2  # one head's shard, bfloat16
+    tag = 8 * (world - 1)  # one 8-byte tag a message
+    sent = (heads + kv + kv + heads) * shard * (world - 1) // world + 4 * tag
+    assert other.totals["sent forward"] == other.totals["sent backward"] == sent
+    ring = (world - 1) * 2 * kv * shard
+    assert p.totals["sent forward"] == ring and p.totals["sent backward"] == 3 * ring  # dK/dV in float32
+    assert "comm='all_to_all' instead: sends" in str(p)
+    refused = ring_rewrite.plan(n, 32, heads=heads, kv_heads=kv, head_dim=d)
+    assert "comm='all_to_all' instead: cannot run" in str(refused) and "multiples of 32" in refused.alternative
