@@ -45,10 +45,10 @@ type); the peak is the most held at any step, beyond the site's inputs. Reorderi
   whole out (which the caller holds through the backward) and the whole gradients, and the
   received and stacked shards of the largest.
 * An all-to-all site (Note [Heads across ranks]) walks its inner plan's steps with that plan's
-  sizes, beside what its exchanges hold: each exchange needs the pieces sent and those received
-  beside the tensor, then holds the result; the exchanged q, k, v are saved for the backward,
-  and each gradient exchanged back frees its heads' layout. Not yet compared with measured
-  peaks.
+  sizes, beside what its exchanges hold: each exchange needs three of the tensor's size beside
+  it (``_Walk.on_Exchange``), then holds the result; the exchanged q, k, v are saved for the
+  backward, and each gradient exchanged back frees its heads' layout.
+  ``benchmarks/comm_options.py`` prints the estimate beside the allocator's peak.
 
 Not counted: the block kernel's per-thread tiles (ours: about 0.5 MiB a thread at 64 dims,
 backward, and 8 bytes for each query row of a kv head's group; about 1 MiB for aten's), what
@@ -135,10 +135,11 @@ class _Walk:
         return self.plan.branches[i]
 
     def on_Exchange(self, step: Exchange) -> None:
-        """An all-to-all (Note [Heads across ranks]): the pieces sent and those received beside
-        the tensor while it runs, then the exchanged tensor."""
+        """An all-to-all (Note [Heads across ranks]): while it runs, three of the tensor's size
+        beside it (its pieces made contiguous, the messages sent with their tags and those
+        received, the result before its layout is restored), then the exchanged tensor."""
         size = _size(step)
-        self.scratch(2 * size)
+        self.scratch(3 * size)
         self.hold(f"exchanged {step.tensor}", size)
 
     def ring_blocks(self, step: Block, backward: bool, results: int) -> None:

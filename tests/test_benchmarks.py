@@ -186,3 +186,16 @@ def test_gpu_sizes_and_targets():
     gpu.add_shares(rows)
     speedup, share, peak = gpu.targets(rows)
     assert speedup["value"] == 2.5 and speedup["met"] and share["value"] == 50.0 and share["met"] is False
+
+
+def test_comm_options_plan_rows_name_the_option_that_moves_least():
+    """``comm_options.py``'s plan table: over 8 and 32 ranks the all-to-all moves less than the
+    ring; 64 heads cannot be split over 128 or 512 ranks, and only the ring runs."""
+    import comm_options
+
+    rows = {(r["N"], r["P"]): r for r in comm_options._plan_rows()}
+    for (n, world), row in rows.items():
+        if world <= 32:
+            assert row["all-to-all GiB"] < row["ring GiB"] and row["moves least"] == "all-to-all", row
+        else:
+            assert row["all-to-all GiB"] is None and row["moves least"].startswith("ring"), row
