@@ -128,3 +128,69 @@ def test_an_all_to_all_site_attends_its_heads_over_the_whole_sequence():
     pieces = {"forward": (8 + 4 + 4 + 8) * shard, "backward": (8 + 8 + 4 + 4) * shard}
     # to each of the 3 other ranks its quarter of every tensor, each message with its 8-byte tag
     assert bytes_sent(plan) == {g: 3 * (b // 4 + 4 * 8) for g, b in pieces.items()}
+
+
+# ---- faults ------------------------------------------------------------------------------------
+
+
+FAULT_TIMEOUT = 3.0  # RingDilatedConfig.timeout here, seconds
+
+
+def _faults(rank: int, world: int, compiler: str) -> None:
+    """The exchanges fail as the ring's transfers do (docs/ring.md, Faults): a rank whose block
+    raises, or that stalls past the timeout, fails the others within the deadline naming the
+    all-to-all; every rank then runs a step equal to the float64 reference, nothing left pending."""
+    import time
+
+    from ring_rewrite.comm.errors import RingOutOfStep, TransferTimeout
+    from ring_rewrite.comm.waiter import _ABANDONED, _PENDING
+    from ring_rewrite.testing import InjectedFault, in_block_kernel
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 2 * world, N, D, generator=g, dtype=torch.float64) for _ in range(4))
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = reference_attention(*whole, is_causal=True)
+    expected.backward(dout)
+    backend = ring_rewrite.backend(sharding="sharded", comm="all_to_all", compiler=compiler, timeout=FAULT_TIMEOUT)
+    torch._dynamo.reset()
+    attend = torch.compile(lambda *x: _sdpa(*x, is_causal=True), backend=backend)
+
+    def step():  # float64: its blocks run the block kernel's entry, which in_block_kernel hooks
+        local = [ring_rewrite.shard(x, 2).requires_grad_() for x in (q, k, v)]
+        out = attend(*local)
+        out.backward(ring_rewrite.shard(dout, 2))
+        return out, local
+
+    def healthy(what: str) -> None:
+        out, local = step()
+        assert rel_err(ring_rewrite.unshard(out.detach(), 2), expected.detach()) < BOUND, what
+        for x, ref in zip(local, whole):
+            assert rel_err(ring_rewrite.unshard(x.grad, 2), ref.grad) < BOUND, what
+        assert not _PENDING and not _ABANDONED, what
+
+    def fails(error, match) -> None:
+        t0 = time.monotonic()
+        with pytest.raises(error, match=match):
+            step()
+        assert time.monotonic() - t0 < 2 * FAULT_TIMEOUT + 10
+
+    healthy("first step")
+    if rank == 1:
+        with in_block_kernel(lambda: (_ for _ in ()).throw(InjectedFault("block failed"))):
+            fails(InjectedFault, "block failed")
+    else:
+        fails(TransferTimeout, r"transfer site 0, all-to-all 3 at distance 1 \(tag \d+, call \d+\)")
+    healthy("after an exception inside a block")
+    if rank == 1:
+        # Late, its exchange pairs with the one the others left (and recovery completes); its
+        # backward then finds them out of step, or its transfer times out.
+        with in_block_kernel(lambda: time.sleep(FAULT_TIMEOUT + 0.5), times=1):
+            fails((TransferTimeout, RingOutOfStep), "did not finish within the 3 s timeout|out of step")
+    else:
+        fails(TransferTimeout, "did not finish within the 3 s timeout")
+    healthy("after a late peer")
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
+def test_an_exchange_fails_by_name_and_the_next_step_works(compiler):
+    run_ranks(2, _faults, compiler)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import _group, global_rank
-from .tags import EXCHANGE, GATHER, transfer_tag
+from .tags import EXCHANGE, GATHER, Tag, transfer_tag
 from .transfers import _finish, _message_tag, _start
 
 __all__ = ["all_gather_seq", "all_to_all_seq"]
@@ -89,9 +89,13 @@ def all_to_all_seq(
     """Every rank's pieces exchanged: ``x[j]`` goes to rank ``j`` of the group, and the result's
     ``[j]`` is what rank ``j`` sent this one (its ``x[me]``); ``x`` is ``(world, ...)``.
 
-    Point-to-point like ``all_gather_seq`` (one transfer per distance, recovered like any
-    transfer), ``tag`` in every payload: ranks that exchanged different tensors fail loudly.
+    Point-to-point like ``all_gather_seq`` (one transfer per distance), ``tag`` in every
+    payload: ranks that exchanged different tensors fail loudly. Unlike a gather's, each message
+    has a tag of its own in the call (the exchange's index, ``Tag.chunk``, and the distance):
+    a call's exchanges all go to every rank, and recovery (``recovery._recover``) tells a
+    peer's unfinished message from one this rank finished by its tag alone.
     """
+    index = Tag.decode(tag).chunk
     _, tag, _, timeout = _message_tag(token, tag)
     check = _tag_bytes(tag, x.device)
     me = dist.get_rank(_group(group_name))
@@ -99,7 +103,7 @@ def all_to_all_seq(
     keys = [
         _start(
             group_name, token, [torch.cat([pieces[(me + d) % world], check])], (me + d) % world,
-            (me - d) % world, transfer_tag(EXCHANGE, GATHER, d),
+            (me - d) % world, transfer_tag(EXCHANGE, GATHER, d, index),
         )  # fmt: skip
         for d in range(1, world)
     ]

@@ -106,7 +106,7 @@ class Rotater:
         """``x[j]`` sent to rank ``j``, and what every rank sent this one, stacked
         (``all_to_all_seq``): the site's ``index``-th all-to-all."""
         got, self.token = torch.ops.ring_rewrite.all_to_all_seq(
-            x, self.token, self.group_name, world, transfer_tag(EXCHANGE, GATHER, index)
+            x, self.token, self.group_name, world, transfer_tag(EXCHANGE, GATHER, 0, index)
         )
         return got
 

@@ -22,9 +22,10 @@ _CALL_BITS = 6  # the call number's low bits above it; 8 * (wire tag) + message 
 @dataclasses.dataclass(frozen=True)
 class Tag:
     """A transfer's place in its site call: which branch, kind (``KV``, ``KV_BACK``, ``DKV``,
-    ``GATHER``), ring step and head chunk. A gather's is branch 0, an all-to-all's branch
-    ``EXCHANGE`` (kind ``GATHER`` both), its step the index in the call or, for each of its
-    messages, the distance it goes (``all_gather_seq``, ``all_to_all_seq``).
+    ``GATHER``), ring step and head chunk. A gather's is branch 0, its step the gather's index
+    in the call or, for each of its messages, the distance it goes (``all_gather_seq``); an
+    all-to-all's is branch ``EXCHANGE`` (kind ``GATHER`` too), its chunk the exchange's index in
+    the call and, for each message, its step the distance (``all_to_all_seq``).
 
     Graphs, ``_PENDING`` and the messages carry it as one int, ``encode()``: from the low bits
     up the step (10 bits), head chunk (6), kind (2) and branch (4), below ``2**22``; on the wire
@@ -70,7 +71,9 @@ class Tag:
 
     def __str__(self) -> str:
         if self.kind == GATHER:
-            return f"{'all-to-all' if self.branch == EXCHANGE else 'gather'} at distance {self.step}"
+            if self.branch == EXCHANGE:
+                return f"all-to-all {self.chunk} at distance {self.step}"
+            return f"gather at distance {self.step}"
         return f"branch {self.branch}, step {self.step}, {_KINDS[self.kind]}, head chunk {self.chunk}"
 
 
