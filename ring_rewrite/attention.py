@@ -970,14 +970,19 @@ class _Exchanged:
             self.inner.run(step)
             return
         plan, name = self.plan, step.tensor
+        copies = plan.kv_copies if name in ("k", "v", "dk", "dv") else 1
         with role("p2p"):
             if step.to == "heads":
-                self.tensors[name] = _to_heads(plan, self.rotater, self.tensors[name], step.index)
+                x = self.tensors[name]
+                x = x.repeat_interleave(copies, 1) if copies > 1 else x
+                self.tensors[name] = _to_heads(plan, self.rotater, x, step.index)
             else:
                 results = {"out": self.inner.out} if isinstance(self.inner, _Forward) else dict(
                     zip(("dq", "dk", "dv"), self.inner.grads)
                 )
-                self.tensors[name] = _to_sequence(plan, self.rotater, results[name], step.index)
+                x = _to_sequence(plan, self.rotater, results[name], step.index)
+                b, h, n, d = x.shape  # each head's gradient summed over its copies
+                self.tensors[name] = x.view(b, h // copies, copies, n, d).sum(2) if copies > 1 else x
 
 
 def _to_heads(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) -> torch.Tensor:

@@ -495,9 +495,9 @@ def _exchanged(plan: SitePlan, graph: str, folded: bool) -> list[Step]:
 
 def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
     """``name`` exchanged ``to`` heads or the sequence: ``(B, H, N / P, D)`` on this rank before
-    (to heads) or after (to the sequence); this rank sends every other rank its piece, ``1 / P``
-    of it, and the message's tag."""
-    heads = plan.hkv if name in ("k", "v", "dk", "dv") else plan.hq
+    (to heads) or after (to the sequence), key/value heads in their copies (``kv_copies``); this
+    rank sends every other rank its piece, ``1 / P`` of it, and the message's tag."""
+    heads = plan.hkv * plan.kv_copies if name in ("k", "v", "dk", "dv") else plan.hq
     shape = (plan.batch, heads, plan.n_local, plan.d if name in ("q", "k", "dq", "dk") else plan.dv)
     piece = math.prod(shape) * _itemsize(plan.dtype) // plan.world
     return Exchange(index, name, shape, plan.dtype, to, (plan.world - 1) * (piece + 8), piece + 8)

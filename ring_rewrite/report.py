@@ -170,6 +170,7 @@ class Report:
                         "branches (w, r)": " ".join(_branch_summary(plan, b) for b in plan.branches),
                         "P / mode / layout": f"{plan.world} / {plan.sharding} / {plan.layout}"
                         + (", all-to-all" if plan.exchanged else "")
+                        + (f", K/V heads x{plan.kv_copies}" if plan.kv_copies > 1 else "")
                         + (f" (N padded to {plan.n})" if plan.pad else "")
                         if plan.world > 1
                         else "1",

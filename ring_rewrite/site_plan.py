@@ -19,9 +19,11 @@ chain, with the headers, deadlines and named errors of the ring's transfers) and
 / P`` of a tensor per rank whatever ``P``, where a ring passes every K/V by every rank; a rank's
 blocks then run the whole sequence. The program lists the all-to-alls (``program.Exchange``) around
 the inner plan's steps. A dilated branch gives head ``j`` the lattice offset ``j % r``, so a
-rank's heads keep their offsets only where ``H / P`` is a multiple of every rate; heads must
-split evenly, and masks, documents and dropout do not travel with the exchange: a site that
-cannot run so is an error naming ``comm="ring"`` (``_check_exchange``).
+rank's heads keep their offsets only where ``H / P`` is a multiple of every rate. Query heads
+must split evenly; key/value heads are copied the fewest times that lets them split
+(``kv_copies``, the report says how many; their gradients are summed over the copies on the way
+back). Masks, documents and dropout do not travel with the exchange. A site that cannot run so
+is an error naming ``comm="ring"`` (``_check_exchange``).
 
 Note [Head chunks]
 ~~~~~~~~~~~~~~~~~~
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -145,10 +148,11 @@ class SitePlan:
         if exchanged:
             _check_exchange(hq, hkv, world, branches, has_mask or band is not None or bool(documents), dropout)
         share = world if exchanged else 1  # all-to-all: the whole sequence, H / P heads
+        copies = _kv_copies(hkv, world) if exchanged else 1
         plans = tuple(
             schedule_branch(
                 w, r, n_global=n, world=1 if exchanged else world, rank=0 if exchanged else rank, layout=layout,
-                is_causal=is_causal, batch=batch, hq=hq // share, hkv=hkv // share,
+                is_causal=is_causal, batch=batch, hq=hq // share, hkv=hkv * copies // share,
             )  # fmt: skip
             for w, r in branches
         )
@@ -164,13 +168,19 @@ class SitePlan:
         """Whether the site runs across its ranks by all-to-all (Note [Heads across ranks])."""
         return self.comm == "all_to_all"
 
+    @property
+    def kv_copies(self) -> int:
+        """How many copies of each key/value head an all-to-all site exchanges: the fewest that
+        let the ranks split them (1 where the kv heads divide by ``P``)."""
+        return _kv_copies(self.hkv, self.world) if self.exchanged else 1
+
     @functools.cached_property
     def inner(self) -> SitePlan:
         """An all-to-all site's attention on one rank: the whole sequence for its ``H / P``
-        heads (query heads and kv heads alike), with the same branches."""
+        query heads and their key/value heads, with the same branches."""
         return dataclasses.replace(
-            self, hq=self.hq // self.world, hkv=self.hkv // self.world, world=1, rank=0, group_name="",
-            ranks=(self.ranks[self.rank],), comm="ring",
+            self, hq=self.hq // self.world, hkv=self.hkv * self.kv_copies // self.world, world=1, rank=0,
+            group_name="", ranks=(self.ranks[self.rank],), comm="ring",
         )  # fmt: skip
 
     @property
@@ -252,10 +262,10 @@ class SitePlan:
 def _check_exchange(hq: int, hkv: int, world: int, branches, masked: bool, dropout: float) -> None:
     """Raise ValueError where an all-to-all cannot carry the site (Note [Heads across ranks])."""
     fix = "use comm='ring'"
-    if hq % world or hkv % world:
+    if hq % world:
         raise ValueError(
-            f"comm='all_to_all' splits the heads over the {world} ranks, but {hq} query heads and "
-            f"{hkv} key/value heads are not both multiples of {world}; {fix}"
+            f"comm='all_to_all' splits the heads over the {world} ranks, but {hq} query heads are "
+            f"not a multiple of {world}; {fix}"
         )
     for _, r in branches:
         if (hq // world) % r:
@@ -266,3 +276,9 @@ def _check_exchange(hq: int, hkv: int, world: int, branches, masked: bool, dropo
             )
     if masked or dropout:
         raise ValueError(f"comm='all_to_all' takes no attention mask, documents or dropout; {fix}")
+
+
+def _kv_copies(hkv: int, world: int) -> int:
+    """The fewest copies of each of ``hkv`` key/value heads that ``world`` ranks can split
+    evenly, every rank's query heads then reading its own (Note [Heads across ranks])."""
+    return world // math.gcd(hkv, world)

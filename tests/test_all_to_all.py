@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import ring_rewrite
-from ring_rewrite.program import Exchange
+from ring_rewrite.program import Exchange, build
 from ring_rewrite.reference import reference_attention
 from ring_rewrite.report import attention_memory_bytes, bytes_sent
 from ring_rewrite.site_plan import SitePlan
@@ -27,12 +27,13 @@ def _sdpa(q, k, v, *, is_causal):
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _case(rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: int) -> None:
+def _case(rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: float) -> None:
     g = torch.Generator().manual_seed(7)
     q, dout = (torch.randn(2, hq * world, N, D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(2, hkv * world, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    kv_heads = round(hkv * world)
+    k, v = (torch.randn(2, kv_heads, N, D, generator=g, dtype=torch.float64) for _ in range(2))
     whole = [x.clone().requires_grad_() for x in (q, k, v)]
-    group = (hq * world) // (hkv * world)
+    group = (hq * world) // kv_heads
     expected = reference_attention(
         whole[0], whole[1].repeat_interleave(group, 1), whole[2].repeat_interleave(group, 1),
         segment_lengths=seg, dilation_rates=rates, is_causal=causal,
@@ -50,6 +51,7 @@ def _case(rank: int, world: int, compiler: str, layout: str, seg, rates, causal:
     out.backward(ring_rewrite.shard(dout.float(), 2, layout=layout))
     (record,) = backend.records
     assert record.rewritten and record.plan.exchanged, record
+    assert record.plan.kv_copies == max(1, world // kv_heads), record.plan
     assert bytes_sent(record.plan) == {"forward": sent_forward, "backward": counters["ring_rewrite"]["bytes_sent"] - sent_forward}
     exchanges = [s.tensor for s in record.forward_program.transfers()]
     assert exchanges == ["q", "k", "v", "out"] and all(isinstance(s, Exchange) for s in record.forward_program.transfers())
@@ -65,6 +67,8 @@ def _cases(rank: int, world: int, compiler: str) -> None:
     for layout in ("contiguous", "zigzag"):
         for case in CASES:
             _case(rank, world, compiler, layout, *case)
+    # One key/value head for every query head: copied to every rank (kv_copies = P).
+    _case(rank, world, compiler, "zigzag", [16, 64], [1, 2], True, 2, 1 / world)
     _refused(rank, world)
 
 
@@ -100,13 +104,12 @@ def _plan(**fields) -> SitePlan:
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(hq=6, hkv=6), "not both multiples of 4"),
-        (dict(hkv=2), "not both multiples of 4"),
+        (dict(hq=6, hkv=6), "6 query heads are not a multiple of 4"),
         (dict(branches=((64, 1), (256, 4))), "not a multiple of the dilation rate 4"),
         (dict(has_mask=True), "no attention mask"),
         (dict(dropout=0.1), "no attention mask, documents or dropout"),
     ],
-    ids=["heads", "kv-heads", "rate", "mask", "dropout"],
+    ids=["heads", "rate", "mask", "dropout"],
 )
 def test_what_the_all_to_all_cannot_carry_is_an_error(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -194,3 +197,13 @@ def _faults(rank: int, world: int, compiler: str) -> None:
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 def test_an_exchange_fails_by_name_and_the_next_step_works(compiler):
     run_ranks(2, _faults, compiler)
+
+
+def test_kv_heads_that_do_not_split_are_copied_the_fewest_times():
+    """Two key/value heads over 4 ranks: each copied twice, so each rank gets one (its query
+    heads' own); six over 4: copied twice (12 = 3 a rank); the exchange sends the copies."""
+    assert _plan(hkv=2).kv_copies == 2 and _plan(hkv=2).inner.hkv == 1
+    assert _plan(hq=12, hkv=6).kv_copies == 2 and _plan(hq=12, hkv=6).inner.hkv == 3
+    assert _plan(hkv=4).kv_copies == 1
+    k = next(s for s in build(_plan(hkv=2), "forward").steps if isinstance(s, Exchange) and s.tensor == "k")
+    assert k.shape == (1, 4, 64, 16)
