@@ -156,4 +156,4 @@ def test_a_plan_says_what_the_other_comm_would_send():
     assert p.totals["sent forward"] == ring and p.totals["sent backward"] == 3 * ring  # dK/dV in float32
     assert "comm='all_to_all' instead: sends" in str(p)
     refused = ring_rewrite.plan(n, 32, heads=heads, kv_heads=kv, head_dim=d)
-    assert "comm='all_to_all' instead: cannot run" in str(refused) and "multiples of 32" in refused.alternative
+    assert "comm='all_to_all' instead: cannot run" in str(refused) and "not a multiple of 32" in refused.alternative
