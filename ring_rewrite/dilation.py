@@ -80,6 +80,12 @@ class BranchLayout:
         return self.padded // self.seg
 
     @property
+    def gathered(self) -> bool:
+        """Whether the branch's rows are copies (a gather at ``r > 1``, or padding), not views
+        of the inputs."""
+        return self.r > 1 or self.padded != self.n
+
+    @property
     def m(self) -> int:
         """Rows per head per segment after dilation."""
         return self.seg // self.r

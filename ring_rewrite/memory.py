@@ -90,7 +90,7 @@ def site_memory(plan: SitePlan) -> dict[str, int]:
 
 
 def _size(step: Exchange) -> int:
-    return math.prod(step.shape) * _itemsize(step.dtype)
+    return math.prod(step.shape) * step.dtype.itemsize
 
 
 def copies_gradients(plan: SitePlan, branch) -> bool:
@@ -344,20 +344,16 @@ class _Backward(_Walk):
 # ---- sizes ----------------------------------------------------------------------------------
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _itemsizes(plan: SitePlan) -> tuple[int, int, int]:
     """Bytes per element of the inputs, of what blocks compute in, and of the statistics."""
-    return _itemsize(plan.dtype), _itemsize(plan.compute_dtype), _itemsize(plan.stat_dtype)
+    return plan.dtype.itemsize, plan.compute_dtype.itemsize, plan.stat_dtype.itemsize
 
 
 def _site_out(plan: SitePlan) -> tuple[int, int]:
     """Bytes of the site's merged out (as the blocks computed it: what the backward reads) and
     lse on this rank."""
     rows = plan.batch * plan.hq * plan.n_local
-    return rows * plan.dv * _itemsize(plan.compute_dtype), rows * _itemsize(plan.stat_dtype)
+    return rows * plan.dv * plan.compute_dtype.itemsize, rows * plan.stat_dtype.itemsize
 
 
 def _dilated_rows(plan: SitePlan, branch) -> tuple[int, int]:
@@ -366,11 +362,6 @@ def _dilated_rows(plan: SitePlan, branch) -> tuple[int, int]:
     layout = branch.layout
     per_head = plan.batch * layout.padded // layout.r
     return per_head * plan.hq, per_head * layout.kv_heads
-
-
-def _gathered(branch) -> bool:
-    """Whether a branch's dilated rows are copies (a gather at r > 1, or padding), not views."""
-    return branch.layout.r > 1 or branch.layout.padded != branch.layout.n
 
 
 def _in_place(plan: SitePlan) -> bool:
@@ -496,7 +487,7 @@ def _copies(plan: SitePlan, branch, backward: bool) -> int:
     d, dv = plan.d, plan.dv
     q_rows, kv_rows = _dilated_rows(plan, branch)
     copies = q_rows * compute if plan.needs_bias(branch) else 0
-    if _gathered(branch):
+    if branch.layout.gathered:
         copies += q_rows * ((d + 2 * dv) * compute + stat if backward else d * compute)
         copies += kv_rows * (d + dv) * (compute if branch.is_local else item)
     return copies

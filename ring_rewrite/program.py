@@ -73,10 +73,6 @@ __all__ = [
 _DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape))
 
@@ -439,7 +435,7 @@ def chunks(plan: SitePlan, branch: Branch) -> list[tuple[slice, slice]]:
 def _forward(plan: SitePlan, folded: bool) -> list[Step]:
     steps: list[Step] = []
     for i, branch in _rings(plan):
-        steps.append(Dilate(i, ("q", "k", "v", *_bias(plan, branch)), _copied(branch)))
+        steps.append(Dilate(i, ("q", "k", "v", *_bias(plan, branch)), branch.layout.gathered))
         times = _hops(plan, branch) if folded else 1
         steps.append(_start(_sent(plan, branch), i, branch, KV, 0, 0, times))
     if plan.local_in_place:
@@ -448,7 +444,7 @@ def _forward(plan: SitePlan, folded: bool) -> list[Step]:
         if branch.is_local and plan.local_in_place:
             continue
         if branch.is_local:
-            steps.append(Dilate(i, ("q", "k", "v", *_bias(plan, branch)), _copied(branch)))
+            steps.append(Dilate(i, ("q", "k", "v", *_bias(plan, branch)), branch.layout.gathered))
             steps.append(_block(plan, i, branch, branch.steps[0][0], None, 0, 0, plan.hq))
         else:
             steps += _ring_forward(plan, i, branch, folded)
@@ -499,7 +495,7 @@ def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
     rank sends every other rank its piece, ``1 / P`` of it, and the message's tag."""
     heads = plan.hkv * plan.kv_copies if name in ("k", "v", "dk", "dv") else plan.hq
     shape = (plan.batch, heads, plan.n_local, plan.d if name in ("q", "k", "dq", "dk") else plan.dv)
-    piece = math.prod(shape) * _itemsize(plan.dtype) // plan.world
+    piece = math.prod(shape) * plan.dtype.itemsize // plan.world
     return Exchange(index, name, shape, plan.dtype, to, (plan.world - 1) * (piece + 8), piece + 8)
 
 
@@ -513,7 +509,7 @@ def _backward(plan: SitePlan, folded: bool) -> list[Step]:
     steps: list[Step] = []
     last_hops = []  # each ring's last chunk's dK/dV on their way home
     for i, branch in _rings(plan):
-        steps.append(Dilate(i, (*_ROWS_BACKWARD, *_bias(plan, branch)), _copied(branch)))
+        steps.append(Dilate(i, (*_ROWS_BACKWARD, *_bias(plan, branch)), branch.layout.gathered))
         steps += _ring_backward(plan, i, branch, folded)
         last_hops.append(Tag(i, DKV, len(branch.ring) - 1, plan.head_chunks(branch) - 1))
     steps += _locals_backward(plan)
@@ -541,7 +537,7 @@ def _locals_backward(plan: SitePlan) -> list[Step]:
     chunks = plan.local_chunks()
     for c, (qh, _) in enumerate(chunks):
         for i, branch in local:
-            steps.append(Dilate(i, (*_ROWS_BACKWARD, *_bias(plan, branch)), _copied(branch), c))
+            steps.append(Dilate(i, (*_ROWS_BACKWARD, *_bias(plan, branch)), branch.layout.gathered, c))
             steps.append(_block(plan, i, branch, branch.steps[0][0], None, c, 0, qh.stop - qh.start, backward=True))
             steps.append(Undilate(i, ("dq", "dk", "dv"), c))
         steps += [Undilate(i, ("dq",), c) for i, _ in rings]
@@ -597,11 +593,6 @@ def _bias(plan: SitePlan, branch: Branch) -> tuple[str, ...]:
     return ("bias",) if plan.needs_bias(branch) else ()
 
 
-def _copied(branch: Branch) -> bool:
-    """Whether the branch's rows are gathered (a rate above 1, or padding), not views."""
-    return branch.layout.r > 1 or branch.layout.padded != branch.layout.n
-
-
 def _folded_blocks(plan: SitePlan, i: int, branch: Branch, heads: int, backward: bool) -> list[Block]:
     """A ring branch's blocks, each once with how many times it runs over the steps and head
     chunks: without a band or documents a block is what its parts are, so equal parts fold into
@@ -641,7 +632,7 @@ def _sent(plan: SitePlan, branch: Branch) -> dict[bool, tuple]:
     sent = {}
     for key, tensors in ((False, kv), (True, dkv)):
         names, shapes, dtypes = zip(*tensors)
-        sent[key] = (names, shapes, dtypes, sum(math.prod(s) * _itemsize(d) for s, d in zip(shapes, dtypes)))
+        sent[key] = (names, shapes, dtypes, sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)))
     return sent
 
 
@@ -654,7 +645,7 @@ def _start(sent: dict, i: int, branch: Branch, kind: int, step: int, c: int, tim
 def _gather(plan: SitePlan, index: int, name: str, width: int) -> Gather:
     heads = plan.hq if name in ("out", "dq") else plan.hkv
     shape = (plan.batch, heads, plan.n_local, width)
-    item = _itemsize(plan.dtype)
+    item = plan.dtype.itemsize
     sent = math.prod(shape) * item + 8  # the shard and the message's tag
     if index == 0 and plan.batch:  # the probe of query values (``attention._probe``)
         sent += plan.hq * len(range(0, plan.n, max(1, plan.n // 16))) * item

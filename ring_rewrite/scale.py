@@ -110,7 +110,7 @@ class ScalePlan:
         saved, peak = max(m["saved"] for m in memory), max(m["peak"] for m in memory)
         sent = [bytes_sent(p) for p in self.plans]  # the ring's transfers, gathers, all-to-alls
         message = max(build(p, graph, folded=True).largest_message() for p in self.plans for graph in ("forward", "backward"))
-        item = torch.empty((), dtype=site.dtype).element_size()
+        item = site.dtype.itemsize
         inputs = site.batch * site.n_local * (site.hq * site.d + site.hkv * (site.d + site.dv)) * item
         return {
             "forward flops": flops,

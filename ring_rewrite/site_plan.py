@@ -210,7 +210,7 @@ class SitePlan:
         if branch.is_local:
             return 1
         message = layout.batch * layout.nseg * layout.kv_heads * layout.m * (self.d + self.dv)
-        message *= torch.empty((), dtype=self.dtype).element_size()
+        message *= self.dtype.itemsize
         fits = [g for g in range(1, layout.kv_heads + 1) if layout.kv_heads % g == 0]
         return max(g for g in fits if g == 1 or message // g >= RING_CHUNK_BYTES)
 
@@ -222,15 +222,14 @@ class SitePlan:
         local = [b.layout for b in self.branches if b.is_local]
         if not local or self.dropout or self.local_in_place:
             return [(slice(0, self.hq), slice(0, self.hkv))]
-        item = torch.empty((), dtype=self.compute_dtype).element_size()
+        item = self.compute_dtype.itemsize
         budget = max(LOCAL_CHUNK_BYTES, self.batch * self.hq * self.n_local * self.d * item)
         grads, work = 0, 0  # per query head: every branch's gradients; the largest branch's work
         for layout in local:
             rows = self.batch * layout.padded // layout.r
             kv = rows * layout.kv_heads // self.hq
             grads += rows * self.d + kv * (self.d + self.dv)
-            gathered = layout.r > 1 or layout.padded != layout.n
-            copies = rows * (self.d + 2 * self.dv) + kv * (self.d + self.dv) if gathered else 0
+            copies = rows * (self.d + 2 * self.dv) + kv * (self.d + self.dv) if layout.gathered else 0
             work = max(work, copies + max(rows * self.d, kv * max(self.d, self.dv)))
         g = self.hq // self.hkv
         sizes = [c for c in range(self.hkv, 0, -1) if self.hkv % c == 0]  # kv heads a chunk
