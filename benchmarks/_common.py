@@ -152,6 +152,15 @@ def can_measure_memory() -> bool:
 # ---- ranks -----------------------------------------------------------------------------------
 
 
+def ring_sent() -> int:
+    """Bytes this process's ring sent since the last call (the ``bytes_sent`` counter, then reset)."""
+    from torch._dynamo.utils import counters
+
+    sent = counters["ring_rewrite"]["bytes_sent"]
+    counters["ring_rewrite"]["bytes_sent"] = 0
+    return sent
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,6 +35,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for _common
 from _common import (  # noqa: E402
+    ring_sent,
     MIB,
     RESULTS,
     allocated_peak,
@@ -53,14 +54,6 @@ from _common import (  # noqa: E402
 WORLD, BATCH, HEADS, HEAD_DIM = 4, 1, 16, 64
 SEED = 0
 OPTIONS = ("ring", "all_to_all")
-
-
-def _sent() -> int:
-    from torch._dynamo.utils import counters
-
-    sent = counters["ring_rewrite"]["bytes_sent"]
-    counters["ring_rewrite"]["bytes_sent"] = 0
-    return sent
 
 
 def _rank(rank: int, world: int, args: dict) -> dict:
@@ -89,11 +82,11 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         step()  # compiles
         require(ring_errors(step(), args["reference"], "contiguous"), f"{comm}, rank {rank}")
         dist.barrier()  # NOTE: outside the rings: the options' timed steps start together
-        _sent()
+        ring_sent()
         t0 = time.perf_counter()
         step()
         seconds = time.perf_counter() - t0
-        sent = _sent()
+        sent = ring_sent()
         allocated = allocated_peak(step)
         (site,) = backend.records
         planned = bytes_sent(site.plan)

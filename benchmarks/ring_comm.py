@@ -52,6 +52,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for _common
 from _common import (  # noqa: E402
+    ring_sent,
     MIB,
     RESULTS,
     TENSORS,
@@ -136,23 +137,15 @@ def _single_branch_refusal(n: int) -> str | None:
 # ---- measuring, inside one rank --------------------------------------------------------------
 
 
-def _bytes_sent() -> int:
-    from torch._dynamo.utils import counters
-
-    sent = counters["ring_rewrite"]["bytes_sent"]
-    counters["ring_rewrite"]["bytes_sent"] = 0
-    return sent
-
-
 def _step(compiled, q, k, v, grad_out) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
     """One forward + backward: ``(bytes sent by the forward, by the backward)`` and ``out, dq,
     dk, dv``."""
     dist.barrier()  # NOTE: outside the ring: every rank starts the step together
-    _bytes_sent()
+    ring_sent()
     out = compiled(q, k, v)
-    sent_fwd = _bytes_sent()
+    sent_fwd = ring_sent()
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    return (sent_fwd, _bytes_sent()), dict(zip(TENSORS, (out.detach(), *grads)))
+    return (sent_fwd, ring_sent()), dict(zip(TENSORS, (out.detach(), *grads)))
 
 
 def _case(config: dict, causal: bool, args: dict, world: int, rank: int) -> dict:

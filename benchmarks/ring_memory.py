@@ -48,6 +48,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for _common
 from _common import (  # noqa: E402
+    ring_sent,
     MIB,
     allocated_peak,
     MMAP_THRESHOLD,
@@ -80,30 +81,22 @@ TARGET = 0.35  # attention memory at P=4 <= 0.35x of P=1
 # ---- measuring, inside one rank --------------------------------------------------------------
 
 
-def _bytes_sent() -> int:
-    from torch._dynamo.utils import counters
-
-    sent = counters["ring_rewrite"]["bytes_sent"]
-    counters["ring_rewrite"]["bytes_sent"] = 0
-    return sent
-
-
 def _step(compiled, q, k, v, grad_out) -> dict:
     """One forward + backward; memory relative to the RSS just before it."""
     trim()
     dist.barrier()  # NOTE: outside the ring: every rank starts the step together
-    _bytes_sent()
+    ring_sent()
     reset_peak()
     base = rss()["VmRSS"]
     t0 = time.perf_counter()
     out = compiled(q, k, v)
     t1 = time.perf_counter()
     after_fwd = rss()
-    sent_fwd = _bytes_sent()
+    sent_fwd = ring_sent()
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     t2 = time.perf_counter()
     after_bwd = rss()
-    sent_bwd = _bytes_sent()
+    sent_bwd = ring_sent()
     result = {
         "peak_fwd_bytes": after_fwd["VmHWM"] - base,
         "retained_after_fwd_bytes": after_fwd["VmRSS"] - base,

@@ -133,14 +133,6 @@ def _sampled_error(out: torch.Tensor, dq: torch.Tensor, n: int, world: int, rank
 # ---- one rank ----------------------------------------------------------------------------------
 
 
-def _bytes_sent() -> int:
-    from torch._dynamo.utils import counters
-
-    sent = counters["ring_rewrite"]["bytes_sent"]
-    counters["ring_rewrite"]["bytes_sent"] = 0
-    return sent
-
-
 def _attend(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -148,7 +140,7 @@ def _attend(q, k, v):
 def _step(fn, q, k, v, dout) -> dict[str, Any]:
     _common.trim()
     dist.barrier()
-    _bytes_sent()
+    _common.ring_sent()
     _common.reset_peak()
     base = _common.rss()["VmRSS"]
     t0 = time.perf_counter()
@@ -156,7 +148,7 @@ def _step(fn, q, k, v, dout) -> dict[str, Any]:
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     seconds = time.perf_counter() - t0
     return {
-        "seconds": seconds, "peak_bytes": _common.rss()["VmHWM"] - base, "sent_bytes": _bytes_sent(),
+        "seconds": seconds, "peak_bytes": _common.rss()["VmHWM"] - base, "sent_bytes": _common.ring_sent(),
         "out": out.detach(), "dq": dq,
     }  # fmt: skip
 
