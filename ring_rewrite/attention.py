@@ -600,7 +600,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     bucket in one process (Note [Padding to a bucket]). Runs the plan's forward program (Note [The site
     program])."""
     if plan.exchanged:
-        return _exchanged_forward(plan, q, k, v, token)
+        return _exchanged_forward(plan, q, k, v, mask, docs, token)
     rotater = Rotater(plan.group_name, token)
     run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, real=real), seed)
     for step in build(plan, "forward").steps:
@@ -933,7 +933,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
     """Gradients of ``site_forward``'s output w.r.t. ``q, k, v`` (and None for the mask, the
     token and the seed): the plan's backward program run (Note [The site program])."""
     if plan.exchanged:
-        return _exchanged_backward(plan, dout, (q, k, v, out, lse), token)
+        return _exchanged_backward(plan, dout, (q, k, v, out, lse), mask, docs, token)
     with role("p2p"):
         rotater = Rotater(plan.group_name, token)
         if token is not None:
@@ -1005,26 +1005,36 @@ def _to_sequence(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) 
     return got.transpose(0, 1).reshape(b, world * h, n, d)
 
 
-def _exchanged_forward(plan: SitePlan, q, k, v, token):
-    """``site_forward`` of an all-to-all site: what it saves are the exchanged q, k, v and the
-    inner call's out and lse, for its heads over the whole sequence."""
+def _exchanged_forward(plan: SitePlan, q, k, v, mask, docs, token):
+    """``site_forward`` of an all-to-all site: what it saves are the exchanged q, k, v (and key
+    bias) and the inner call's out and lse, for its heads over the whole sequence; ``docs`` are
+    every position's already."""
     inner = plan.inner
     rotater = Rotater(plan.group_name, token)
+    tensors = {"q": q, "k": k, "v": v}
+    if mask is not None:  # every query head's key bias, exchanged as a one-wide tensor
+        tensors["bias"] = mask.to(plan.dtype).expand(plan.batch, plan.hq, plan.n_local).unsqueeze(-1)
     run = _Exchanged(
-        plan, rotater, {"q": q, "k": k, "v": v},
-        lambda t: _Forward(inner, Rotater(inner.group_name, None), _Inputs.take(inner, (t["q"], t["k"], t["v"]), None, None), None),
+        plan, rotater, tensors,
+        lambda t: _Forward(inner, Rotater(inner.group_name, None), _Inputs.take(inner, (t["q"], t["k"], t["v"]), _bias_of(t), docs), None),
     )  # fmt: skip
     for step in build(plan, "forward").steps:
         run.run(step)
-    out = run.tensors["out"]
+    out, bias = run.tensors["out"], _bias_of(run.tensors)
     with role("p2p"):
         rotater.close([out, run.inner.lse])
-    return out, [run.tensors["q"], run.tensors["k"], run.tensors["v"], run.inner.saved_out, run.inner.lse, rotater.token]
+    saved = [run.tensors["q"], run.tensors["k"], run.tensors["v"], run.inner.saved_out, run.inner.lse]
+    return out, [*saved, *(x for x in (bias, docs) if x is not None), rotater.token]
 
 
-def _exchanged_backward(plan: SitePlan, dout, saved: tuple, token):
-    """``site_backward`` of an all-to-all site: ``saved`` (q, k, v, out, lse) as its forward
-    saved them."""
+def _bias_of(tensors: dict) -> torch.Tensor | None:
+    """The key bias ``(B, H / P, N)`` of an all-to-all call's heads, once exchanged."""
+    return tensors["bias"].squeeze(-1) if "bias" in tensors else None
+
+
+def _exchanged_backward(plan: SitePlan, dout, saved: tuple, bias, docs, token):
+    """``site_backward`` of an all-to-all site: ``saved`` (q, k, v, out, lse) and ``bias`` as
+    its forward saved them."""
     inner = plan.inner
     q, k, v, out, lse = saved
     with role("p2p"):
@@ -1032,7 +1042,7 @@ def _exchanged_backward(plan: SitePlan, dout, saved: tuple, token):
     run = _Exchanged(
         plan, rotater, {"dout": dout},
         lambda t: _Backward(
-            inner, Rotater(inner.group_name, None), _Inputs.take(inner, (q, k, v), None, None, t["dout"]), out, lse, None
+            inner, Rotater(inner.group_name, None), _Inputs.take(inner, (q, k, v), bias, docs, t["dout"]), out, lse, None
         ),
     )  # fmt: skip
     for step in build(plan, "backward").steps:
@@ -1040,4 +1050,4 @@ def _exchanged_backward(plan: SitePlan, dout, saved: tuple, token):
     grads = [run.tensors[name] for name in ("dq", "dk", "dv")]
     with role("p2p"):
         rotater.close(grads)
-    return (*grads, None)
+    return (*grads, *(None for x in (bias, docs, token) if x is not None))

@@ -483,7 +483,8 @@ def _ring_forward(plan: SitePlan, i: int, branch: Branch, folded: bool) -> list[
 def _exchanged(plan: SitePlan, graph: str, folded: bool) -> list[Step]:
     """An all-to-all site: its inputs to heads, the inner plan's program, its results back to
     the sequence, one all-to-all a tensor (Note [Heads across ranks])."""
-    inputs, results = (("q", "k", "v"), ("out",)) if graph == "forward" else (("dout",), ("dq", "dk", "dv"))
+    forward = ("q", "k", "v", *(("bias",) if plan.has_mask else ()))  # the key bias: its forward's only
+    inputs, results = (forward, ("out",)) if graph == "forward" else (("dout",), ("dq", "dk", "dv"))
     first = [_exchange(plan, j, name, "heads") for j, name in enumerate(inputs)]
     last = [_exchange(plan, len(inputs) + j, name, "sequence") for j, name in enumerate(results)]
     return [*first, *build(plan.inner, graph, folded=folded).steps, *last]
@@ -491,10 +492,12 @@ def _exchanged(plan: SitePlan, graph: str, folded: bool) -> list[Step]:
 
 def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
     """``name`` exchanged ``to`` heads or the sequence: ``(B, H, N / P, D)`` on this rank before
-    (to heads) or after (to the sequence), key/value heads in their copies (``kv_copies``); this
-    rank sends every other rank its piece, ``1 / P`` of it, and the message's tag."""
+    (to heads) or after (to the sequence), key/value heads in their copies (``kv_copies``), the
+    key bias one wide; this rank sends every other rank its piece, ``1 / P`` of it, and the
+    message's tag."""
     heads = plan.hkv * plan.kv_copies if name in ("k", "v", "dk", "dv") else plan.hq
-    shape = (plan.batch, heads, plan.n_local, plan.d if name in ("q", "k", "dq", "dk") else plan.dv)
+    width = {"q": plan.d, "k": plan.d, "dq": plan.d, "dk": plan.d, "bias": 1}.get(name, plan.dv)
+    shape = (plan.batch, heads, plan.n_local, width)
     piece = math.prod(shape) * plan.dtype.itemsize // plan.world
     return Exchange(index, name, shape, plan.dtype, to, (plan.world - 1) * (piece + 8), piece + 8)
 

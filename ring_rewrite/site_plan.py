@@ -22,8 +22,10 @@ the inner plan's steps. A dilated branch gives head ``j`` the lattice offset ``j
 rank's heads keep their offsets only where ``H / P`` is a multiple of every rate. Query heads
 must split evenly; key/value heads are copied the fewest times that lets them split
 (``kv_copies``, the report says how many; their gradients are summed over the copies on the way
-back). Masks, documents and dropout do not travel with the exchange. A site that cannot run so
-is an error naming ``comm="ring"`` (``_check_exchange``).
+back). A key bias (a padding mask, ALiBi) is exchanged as a one-wide tensor of every query
+head, its rank's heads then reading their whole row of keys; document ids are every position's
+already (the rewrite gathers them) and a band is a rule on positions, so the inner plan keeps
+both. Dropout is not carried. A site that cannot run so is an error naming ``comm="ring"`` (``_check_exchange``).
 
 Note [Head chunks]
 ~~~~~~~~~~~~~~~~~~
@@ -146,7 +148,7 @@ class SitePlan:
             layout_of(layout).chunk_size(n, world)  # raises where n does not cut evenly
         exchanged = comm == "all_to_all" and world > 1
         if exchanged:
-            _check_exchange(hq, hkv, world, branches, has_mask or band is not None or bool(documents), dropout)
+            _check_exchange(hq, world, branches, dropout)
         share = world if exchanged else 1  # all-to-all: the whole sequence, H / P heads
         copies = _kv_copies(hkv, world) if exchanged else 1
         plans = tuple(
@@ -258,7 +260,7 @@ class SitePlan:
         return self.has_mask or (padded and not self.is_causal)
 
 
-def _check_exchange(hq: int, hkv: int, world: int, branches, masked: bool, dropout: float) -> None:
+def _check_exchange(hq: int, world: int, branches, dropout: float) -> None:
     """Raise ValueError where an all-to-all cannot carry the site (Note [Heads across ranks])."""
     fix = "use comm='ring'"
     if hq % world:
@@ -273,8 +275,8 @@ def _check_exchange(hq: int, hkv: int, world: int, branches, masked: bool, dropo
                 f"dilation rate {r}: a rank's heads would not keep their lattice offsets (head j "
                 f"takes j % r); {fix}"
             )
-    if masked or dropout:
-        raise ValueError(f"comm='all_to_all' takes no attention mask, documents or dropout; {fix}")
+    if dropout:
+        raise ValueError(f"comm='all_to_all' does not carry dropout; {fix}")
 
 
 def _kv_copies(hkv: int, world: int) -> int:

@@ -106,10 +106,9 @@ def _plan(**fields) -> SitePlan:
     [
         (dict(hq=6, hkv=6), "6 query heads are not a multiple of 4"),
         (dict(branches=((64, 1), (256, 4))), "not a multiple of the dilation rate 4"),
-        (dict(has_mask=True), "no attention mask"),
-        (dict(dropout=0.1), "no attention mask, documents or dropout"),
+        (dict(dropout=0.1), "does not carry dropout"),
     ],
-    ids=["heads", "rate", "mask", "dropout"],
+    ids=["heads", "rate", "dropout"],
 )
 def test_what_the_all_to_all_cannot_carry_is_an_error(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -131,6 +130,45 @@ def test_an_all_to_all_site_attends_its_heads_over_the_whole_sequence():
     pieces = {"forward": (8 + 4 + 4 + 8) * shard, "backward": (8 + 8 + 4 + 4) * shard}
     # to each of the 3 other ranks its quarter of every tensor, each message with its 8-byte tag
     assert bytes_sent(plan) == {g: 3 * (b // 4 + 4 * 8) for g, b in pieces.items()}
+
+
+def test_a_key_bias_is_exchanged_with_the_inputs():
+    """A masked site's key bias goes to heads with q, k, v (one wide, every query head) and is
+    saved as exchanged; the inner plan keeps the mask, the band and the documents."""
+    plan = _plan(has_mask=True, band=(-8, 0), documents="eq")
+    assert (plan.inner.has_mask, plan.inner.band, plan.inner.documents) == (True, (-8, 0), "eq")
+    forward = build(plan, "forward").transfers()
+    assert [s.tensor for s in forward] == ["q", "k", "v", "bias", "out"]
+    assert forward[3].shape == (1, 8, 64, 1) and forward[3].to == "heads"
+    assert [s.tensor for s in build(plan, "backward").transfers()] == ["dout", "dq", "dk", "dv"]
+    unmasked = _plan()
+    bias = 64 * 8 * 4  # this rank's 64 keys for 8 query heads, float32
+    assert bytes_sent(plan)["forward"] - bytes_sent(unmasked)["forward"] == 3 * (bias // 4 + 8)
+    assert attention_memory_bytes(plan)["saved"] - attention_memory_bytes(unmasked)["saved"] == bias
+
+
+def _masked(rank: int, world: int) -> None:
+    """Key-padding masks, windows, ALiBi's key bias and packed documents through the exchange,
+    each rank holding its shard of the padding, positions or ids (``test_masks``' cases)."""
+    from test_masks import SHARDED_DOCUMENTS, _check, _check_documents
+
+    dilated = ([16, 64], [1, 2]) if world == 2 else ([16, 64], [1, 1])  # H / P = 4 / P heads a rank
+    for kind, (segs, rates), layout in [
+        ("hf_causal", dilated, "zigzag"), ("hf_window", (None, None), "contiguous"),
+        ("alibi_key", dilated, "zigzag"), ("two_sided", dilated, "contiguous"),
+    ]:  # fmt: skip
+        _check(kind, segs, rates, "inductor", world=world, rank=rank, sharding="sharded", layout=layout, comm="all_to_all")
+    for name in ("hf-packed", "doc-window", "hf-blocks"):
+        build, data = SHARDED_DOCUMENTS[name]
+        _check_documents(
+            build, data(2, 64), *dilated, "inductor", world=world, rank=rank, n=64, sharding="sharded",
+            layout="zigzag", comm="all_to_all",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_masks_and_documents_through_the_all_to_all_match_the_reference(world):
+    run_ranks(world, _masked)
 
 
 # ---- faults ------------------------------------------------------------------------------------

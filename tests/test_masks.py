@@ -254,7 +254,9 @@ def test_mask_without_a_structure_is_left_alone(build, reason):
 # ---- numerics ------------------------------------------------------------------------------------
 
 
-def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated", layout="contiguous", n=64):
+def _check(
+    kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated", layout="contiguous", n=64, comm="ring"
+):  # fmt: skip
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
 
@@ -266,7 +268,7 @@ def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
     torch._dynamo.reset()
     backend = ring_rewrite.backend(
-        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout
+        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout, comm=comm
     )
     compiled = torch.compile(_attend(kind), backend=backend, fullgraph=True)
     inputs = (q, k, v)
@@ -280,6 +282,7 @@ def _check(kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated
     assert max(errors) < BOUND, (rank, kind, segs, sharding, layout, errors)
     (record,) = backend.records
     assert record.rewritten and (record.plan.is_causal, record.plan.band) == STRUCTURE[kind][:2]
+    assert record.plan.comm == (comm if world > 1 else "ring")
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
@@ -355,7 +358,7 @@ def _packed(b: int, n: int) -> torch.Tensor:
 
 def _check_documents(
     build, data, segs, rates, compiler, *, world=1, rank=0, n=48, sharding="replicated", layout="contiguous",
-    dtype=torch.float32, documents=True,
+    dtype=torch.float32, documents=True, comm="ring",
 ):  # fmt: skip
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
@@ -370,7 +373,7 @@ def _check_documents(
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
     torch._dynamo.reset()
     backend = ring_rewrite.backend(
-        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout
+        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout, comm=comm
     )
 
     def attend(q, k, v, data):
@@ -387,6 +390,7 @@ def _check_documents(
     assert max(errors) < (BOUND if dtype == torch.float32 else 1e-12), (rank, build.__name__, segs, sharding, layout, errors)
     (record,) = backend.records
     assert record.rewritten and bool(record.plan.documents) == documents and record.plan.world == world
+    assert record.plan.comm == (comm if world > 1 else "ring")
 
 
 def chunked(q, pad):
