@@ -600,7 +600,7 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     bucket in one process (Note [Padding to a bucket]). Runs the plan's forward program (Note [The site
     program])."""
     if plan.exchanged:
-        return _exchanged_forward(plan, q, k, v, mask, docs, token)
+        return _exchanged_forward(plan, (q, k, v), mask, docs, token)
     rotater = Rotater(plan.group_name, token)
     run = _Forward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, real=real), seed)
     for step in build(plan, "forward").steps:
@@ -1005,13 +1005,13 @@ def _to_sequence(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) 
     return got.transpose(0, 1).reshape(b, world * h, n, d)
 
 
-def _exchanged_forward(plan: SitePlan, q, k, v, mask, docs, token):
+def _exchanged_forward(plan: SitePlan, qkv: tuple, mask, docs, token):
     """``site_forward`` of an all-to-all site: what it saves are the exchanged q, k, v (and key
     bias) and the inner call's out and lse, for its heads over the whole sequence; ``docs`` are
     every position's already."""
     inner = plan.inner
     rotater = Rotater(plan.group_name, token)
-    tensors = {"q": q, "k": k, "v": v}
+    tensors = dict(zip("qkv", qkv))
     if mask is not None:  # every query head's key bias, exchanged as a one-wide tensor
         tensors["bias"] = mask.to(plan.dtype).expand(plan.batch, plan.hq, plan.n_local).unsqueeze(-1)
     run = _Exchanged(
