@@ -274,6 +274,7 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         pad=pad,
         dropout=float(site.dropout_p),
         comm=config.comm,
+        a2a=config.a2a_ranks,
     )
 
 

@@ -108,7 +108,7 @@ import torch
 from .comm.ring import Ring, Rotater
 from .comm.tags import DKV
 from .dilation import last_dim
-from .layout import assemble, take_shard
+from .layout import assemble, layout_of, take_shard
 from .merge import merge_partials
 from .ops import BAND_OPEN, RELATIONS
 from .program import Block, Cast, Chunk, Dilate, Exchange, Gather, Land, Merge, Start, Undilate, Wait, build, chunks
@@ -986,23 +986,24 @@ class _Exchanged:
 
 
 def _to_heads(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) -> torch.Tensor:
-    """This rank's shard of the sequence for every head, ``(B, H, N / P, D)``, to the whole
-    sequence for its ``H / P`` heads, ``(B, H / P, N, D)``: rank ``j`` gets heads ``[j H / P,
-    (j + 1) H / P)``."""
+    """This rank's shard of the sequence for every head, ``(B, H, N / P, D)``, to its all-to-all
+    group's tokens for its ``H / a2a`` heads, ``(B, H / a2a, N a2a / P, D)``: the ``j``-th rank
+    of the group gets heads ``[j H / a2a, (j + 1) H / a2a)``, and the group's tokens are its
+    shard of the ring across the groups (the whole sequence where one group holds every rank)."""
     b, h, n, d = x.shape
-    world = plan.world
-    got = rotater.all_to_all(x.reshape(b, world, h // world, n, d).transpose(0, 1), world, index)
-    return assemble(got, 2, plan.n_local, world=world, layout=plan.layout)
+    a2a, group = plan.a2a, plan.rank // plan.a2a
+    got = rotater.all_to_all(x.reshape(b, a2a, h // a2a, n, d).transpose(0, 1), a2a, index, group * a2a)
+    return layout_of(plan.layout).regroup(got, 2, plan.n_local, plan.world, a2a, group)
 
 
 def _to_sequence(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) -> torch.Tensor:
-    """The inverse of ``_to_heads``: the whole sequence for this rank's heads back to this
+    """The inverse of ``_to_heads``: the group's tokens for this rank's heads back to this
     rank's shard of the sequence for every head."""
-    world = plan.world
-    pieces = [take_shard(x, 2, plan.n, world=world, rank=r, layout=plan.layout) for r in range(world)]
-    got = rotater.all_to_all(torch.stack(pieces), world, index)
+    a2a, group = plan.a2a, plan.rank // plan.a2a
+    pieces = layout_of(plan.layout).split(x, 2, plan.n_local, plan.world, a2a, group)
+    got = rotater.all_to_all(torch.stack(pieces), a2a, index, group * a2a)
     _, b, h, n, d = got.shape
-    return got.transpose(0, 1).reshape(b, world * h, n, d)
+    return got.transpose(0, 1).reshape(b, a2a * h, n, d)
 
 
 def _exchanged_forward(plan: SitePlan, qkv: tuple, mask, docs, token):
@@ -1016,7 +1017,7 @@ def _exchanged_forward(plan: SitePlan, qkv: tuple, mask, docs, token):
         tensors["bias"] = mask.to(plan.dtype).expand(plan.batch, plan.hq, plan.n_local).unsqueeze(-1)
     run = _Exchanged(
         plan, rotater, tensors,
-        lambda t: _Forward(inner, Rotater(inner.group_name, None), _Inputs.take(inner, (t["q"], t["k"], t["v"]), _bias_of(t), docs), None),
+        lambda t: _Forward(inner, rotater, _Inputs.take(inner, (t["q"], t["k"], t["v"]), _bias_of(t), docs), None),
     )  # fmt: skip
     for step in build(plan, "forward").steps:
         run.run(step)
@@ -1042,7 +1043,7 @@ def _exchanged_backward(plan: SitePlan, dout, saved: tuple, bias, docs, token):
     run = _Exchanged(
         plan, rotater, {"dout": dout},
         lambda t: _Backward(
-            inner, Rotater(inner.group_name, None), _Inputs.take(inner, (q, k, v), bias, docs, t["dout"]), out, lse, None
+            inner, rotater, _Inputs.take(inner, (q, k, v), bias, docs, t["dout"]), out, lse, None
         ),
     )  # fmt: skip
     for step in build(plan, "backward").steps:

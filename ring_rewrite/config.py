@@ -18,7 +18,7 @@ _MAX_TIMEOUT = 1e12  # seconds: in milliseconds, an int64 the transfers carry
 
 Sharding = Literal["replicated", "sharded"]
 Layout = Literal["contiguous", "zigzag"]
-Comm = Literal["ring", "all_to_all"]
+Comm = Literal["ring", "all_to_all", "hybrid"]
 Compiler = Literal["inductor", "aot_eager", "eager"]
 
 
@@ -62,8 +62,11 @@ class RingDilatedConfig:
             and its shard of the sequence; K/V go round a ring) or ``"all_to_all"`` (an
             all-to-all turns the shards of the sequence into shards of the heads, each rank
             attends the whole sequence for ``H / P`` heads, and a second one turns the output
-            back: Note [Heads across ranks]); ``"all_to_all"`` needs ``sharding="sharded"``.
-            Default: ``"ring"``.
+            back: Note [Heads across ranks]) or ``"hybrid"`` (all-to-alls within groups of
+            ``a2a_ranks`` consecutive ranks, a ring across the groups); both need
+            ``sharding="sharded"``. Default: ``"ring"``.
+        a2a_ranks (int, optional): ranks in each all-to-all group of ``comm="hybrid"``; it
+            must divide the group's ranks. Default: ``None``.
         compiler (str): what lowers the rewritten graph: ``"inductor"``, or ``"aot_eager"`` /
             ``"eager"`` to debug. Default: ``"inductor"``.
         strict (bool): raise instead of leaving a site that cannot be rewritten as written
@@ -117,7 +120,11 @@ class RingDilatedConfig:
 
     comm: Comm = "ring"
     """``"ring"``: K/V go round a ring of the ranks; ``"all_to_all"``: the ranks exchange
-    sequence shards for head shards and back (Note [Heads across ranks])."""
+    sequence shards for head shards and back (Note [Heads across ranks]); ``"hybrid"``: they do
+    so within groups of ``a2a_ranks``, and a ring runs across the groups."""
+
+    a2a_ranks: int | None = None
+    """Ranks in each all-to-all group of ``comm="hybrid"`` (consecutive ranks of the group)."""
 
     compiler: Compiler = "inductor"
     """What lowers the rewritten graph: ``"inductor"``, or ``"aot_eager"`` / ``"eager"`` to debug."""
@@ -189,10 +196,19 @@ class RingDilatedConfig:
             raise ValueError(f"sharding must be 'replicated' or 'sharded', got {self.sharding!r}")
         if self.layout not in ("contiguous", "zigzag"):
             raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {self.layout!r}")
-        if self.comm not in ("ring", "all_to_all"):
-            raise ValueError(f"comm must be 'ring' or 'all_to_all', got {self.comm!r}")
-        if self.comm == "all_to_all" and self.sharding != "sharded":
-            raise ValueError("comm='all_to_all' needs sharding='sharded' (each rank holds its shard of the sequence)")
+        if self.comm not in ("ring", "all_to_all", "hybrid"):
+            raise ValueError(f"comm must be 'ring', 'all_to_all' or 'hybrid', got {self.comm!r}")
+        if self.comm != "ring" and self.sharding != "sharded":
+            raise ValueError(
+                f"comm={self.comm!r} needs sharding='sharded' (each rank holds its shard of the sequence)"
+            )
+        if (self.comm == "hybrid") != (self.a2a_ranks is not None):
+            raise ValueError(
+                f"a2a_ranks (ranks in each all-to-all group) goes with comm='hybrid' and only with it; "
+                f"got comm={self.comm!r}, a2a_ranks={self.a2a_ranks!r}"
+            )
+        if self.a2a_ranks is not None and (not isinstance(self.a2a_ranks, int) or self.a2a_ranks < 1):
+            raise ValueError(f"a2a_ranks must be a positive int, got {self.a2a_ranks!r}")
         if self.compiler not in ("inductor", "aot_eager", "eager"):
             raise ValueError(
                 f"compiler must be 'inductor', 'aot_eager' or 'eager', got {self.compiler!r}"

@@ -5,7 +5,8 @@ rank holds, in order (``Layout.chunks``): ``"contiguous"``, rank k holds chunk k
 ``[kN/P, (k+1)N/P)``; ``"zigzag"``, rank k holds chunks k and 2P-1-k of 2P (balances causal
 work). Everything else follows from that one method, here alone: the size of a chunk and the
 check that N cuts evenly, where a rank's chunks start, a rank's tokens of a tensor (``take``), the
-whole from every rank's (``assemble``), positions. The site plan, the schedule, the program,
+whole from every rank's (``assemble``), a group of ranks' tokens from theirs and back
+(``regroup``, ``split``), positions. The site plan, the schedule, the program,
 the rewrite, ``shard_batch`` and ``prefill`` ask ``layout_of(name)``; a new layout is one class.
 
 ``shard`` / ``unshard`` are inverses; ``take_shard`` / ``assemble`` are their static, traceable
@@ -64,14 +65,39 @@ class Layout:
     def assemble(self, gathered: torch.Tensor, dim: int, n_local: int, world: int) -> torch.Tensor:
         """The inverse of ``take`` over all ranks: ``gathered`` stacks every rank's tokens on
         dim 0 (so ``dim`` of a rank's is ``dim`` of ``gathered[rank]``)."""
+        return self.regroup(gathered, dim, n_local, world, world, 0)
+
+    def regroup(
+        self, gathered: torch.Tensor, dim: int, n_local: int, world: int, group: int, index: int
+    ) -> torch.Tensor:
+        """The tokens of ``group`` consecutive ranks of ``world`` (``gathered`` stacks the
+        shards of ranks ``index * group`` on) as shard ``index`` of ``world // group`` ranks:
+        a hybrid's all-to-all group holds the shard of its rank in the ring across the groups
+        (Note [Heads across ranks]). ``group == world``: the whole sequence."""
         size = n_local // self.parts
-        held = {c: (rank, slot) for rank in range(world) for slot, c in enumerate(self.chunks(rank, world))}
-        shards = [gathered[rank] for rank in range(world)]
+        held = {
+            c: (j, slot) for j in range(group) for slot, c in enumerate(self.chunks(index * group + j, world))
+        }  # fmt: skip
+        shards = [gathered[j] for j in range(group)]
         pieces = []
-        for c in range(world * self.parts):
-            rank, slot = held[c]
-            pieces.append(shards[rank] if self.parts == 1 else shards[rank].narrow(dim, slot * size, size))
+        for c in self._grouped(world, group, index):
+            j, slot = held[c]
+            pieces.append(shards[j] if self.parts == 1 else shards[j].narrow(dim, slot * size, size))
         return torch.cat(pieces, dim)
+
+    def split(self, x: torch.Tensor, dim: int, n_local: int, world: int, group: int, index: int) -> list[torch.Tensor]:
+        """The inverse of ``regroup``: ``x``, shard ``index`` of ``world // group`` ranks, cut
+        into the shards (of ``n_local`` tokens) of its ``group`` ranks of ``world``."""
+        size = n_local // self.parts
+        at = {c: j for j, c in enumerate(self._grouped(world, group, index))}
+        cut = [[x.narrow(dim, at[c] * size, size) for c in self.chunks(index * group + j, world)] for j in range(group)]
+        return [pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim) for pieces in cut]
+
+    def _grouped(self, world: int, group: int, index: int) -> list[int]:
+        """The chunks (of ``world``'s) of shard ``index`` of ``world // group`` ranks, in order:
+        each of its chunks is ``group`` of ``world``'s. Those are the chunks that ranks
+        ``index * group`` to ``(index + 1) * group - 1`` hold, as every layout here cuts."""
+        return [c * group + j for c in self.chunks(index, world // group) for j in range(group)]
 
     def __repr__(self) -> str:
         return f"layout {self.name!r}"

@@ -297,11 +297,11 @@ class Gather:
 
 @dataclasses.dataclass(frozen=True)
 class Exchange:
-    """An all-to-all site's ``index``-th all-to-all (Note [Heads across ranks]): ``tensor``
+    """An exchanging site's ``index``-th all-to-all (Note [Heads across ranks]): ``tensor``
     (``shape`` on this rank as its shard of the sequence, ``dtype``) turned ``to`` ``"heads"``
-    (this rank's shard of the sequence for every head -> the whole sequence for its heads) or
-    back ``to`` ``"sequence"``; ``bytes`` this rank sends (every other rank's piece, each with
-    the message's tag)."""
+    (this rank's shard of the sequence for every head -> its all-to-all group's tokens for its
+    heads) or back ``to`` ``"sequence"``; ``bytes`` this rank sends (every other rank of its
+    group its piece, each with the message's tag)."""
 
     index: int
     tensor: str
@@ -481,8 +481,9 @@ def _ring_forward(plan: SitePlan, i: int, branch: Branch, folded: bool) -> list[
 
 
 def _exchanged(plan: SitePlan, graph: str, folded: bool) -> list[Step]:
-    """An all-to-all site: its inputs to heads, the inner plan's program, its results back to
-    the sequence, one all-to-all a tensor (Note [Heads across ranks])."""
+    """An exchanging site: its inputs to heads, the inner plan's program (a hybrid's: its
+    ring across the groups), its results back to the sequence, one all-to-all a tensor (Note
+    [Heads across ranks])."""
     forward = ("q", "k", "v", *(("bias",) if plan.has_mask else ()))  # the key bias: its forward's only
     inputs, results = (forward, ("out",)) if graph == "forward" else (("dout",), ("dq", "dk", "dv"))
     first = [_exchange(plan, j, name, "heads") for j, name in enumerate(inputs)]
@@ -493,13 +494,13 @@ def _exchanged(plan: SitePlan, graph: str, folded: bool) -> list[Step]:
 def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
     """``name`` exchanged ``to`` heads or the sequence: ``(B, H, N / P, D)`` on this rank before
     (to heads) or after (to the sequence), key/value heads in their copies (``kv_copies``), the
-    key bias one wide; this rank sends every other rank its piece, ``1 / P`` of it, and the
-    message's tag."""
+    key bias one wide; this rank sends every other rank of its all-to-all group its piece,
+    ``1 / a2a`` of it, and the message's tag."""
     heads = plan.hkv * plan.kv_copies if name in ("k", "v", "dk", "dv") else plan.hq
     width = {"q": plan.d, "k": plan.d, "dq": plan.d, "dk": plan.d, "bias": 1}.get(name, plan.dv)
     shape = (plan.batch, heads, plan.n_local, width)
-    piece = math.prod(shape) * plan.dtype.itemsize // plan.world
-    return Exchange(index, name, shape, plan.dtype, to, (plan.world - 1) * (piece + 8), piece + 8)
+    piece = math.prod(shape) * plan.dtype.itemsize // plan.a2a
+    return Exchange(index, name, shape, plan.dtype, to, (plan.a2a - 1) * (piece + 8), piece + 8)
 
 
 # ---- the backward ---------------------------------------------------------------------------

@@ -71,8 +71,15 @@ def attention_memory_bytes(plan: SitePlan) -> dict[str, int]:
 
 
 def _branch_summary(plan: SitePlan, branch) -> str:
-    where = "local" if branch.is_local else f"ring {_ranks(plan.ranks[r] for r in branch.ring)}"
+    ranks = (plan.inner if plan.exchanged else plan).ranks  # a hybrid's ring: across the groups
+    where = "local" if branch.is_local else f"ring {_ranks(ranks[r] for r in branch.ring)}"
     return f"({branch.w},{branch.r}) {where}"
+
+
+def _exchange_summary(plan: SitePlan) -> str:
+    if not plan.exchanged:
+        return ""
+    return ", all-to-all" if plan.a2a == plan.world else f", all-to-all of {plan.a2a} x ring of {plan.world // plan.a2a}"
 
 
 def _ranks(ranks) -> str:
@@ -169,7 +176,7 @@ class Report:
                     {
                         "branches (w, r)": " ".join(_branch_summary(plan, b) for b in plan.branches),
                         "P / mode / layout": f"{plan.world} / {plan.sharding} / {plan.layout}"
-                        + (", all-to-all" if plan.exchanged else "")
+                        + _exchange_summary(plan)
                         + (f", K/V heads x{plan.kv_copies}" if plan.kv_copies > 1 else "")
                         + (f" (N padded to {plan.n})" if plan.pad else "")
                         if plan.world > 1

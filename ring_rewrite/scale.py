@@ -45,8 +45,9 @@ class ScalePlan:
     Args:
         plans (tuple[SitePlan, ...]): one site plan per rank of the group, rank 0 first.
         layers (int): attention layers of the model, for ``totals["model peak"]``. Default: 1.
-        alternative (ScalePlan or str, optional): the same layer under the other ``comm``, or
-            why it cannot run so. Default: ``None``.
+        alternatives (tuple[tuple[str, ScalePlan | str], ...]): the same layer under every other
+            way to share it (``comm`` and, for a hybrid, ``a2a_ranks``), each named, with its
+            plans or why it cannot run so. Default: ``()``.
 
     Attributes:
         site (SitePlan): rank 0's plan (shapes, branches, world, sharding, layout).
@@ -70,9 +71,21 @@ class ScalePlan:
     plans: tuple[SitePlan, ...]
     """One per rank of the group, as the rewrite would build them."""
     layers: int = 1
-    alternative: ScalePlan | str | None = None
-    """The same layer under the other ``comm`` (Note [Heads across ranks]), or why it cannot run
-    so; ``str`` compares the two."""
+    alternatives: tuple[tuple[str, ScalePlan | str], ...] = ()
+    """The same layer under every other ``comm`` (Note [Heads across ranks]), named as
+    ``option`` names, with its plans or why it cannot run so; ``str`` compares them."""
+
+    @property
+    def option(self) -> str:
+        """How the plans share the layer: ``comm='ring'``, ``comm='hybrid', a2a_ranks=2``, ..."""
+        return _option(self.site.comm, self.site.a2a)
+
+    @property
+    def least_sent(self) -> str:
+        """The option (this one or an alternative) whose busiest rank sends the fewest bytes,
+        forward and backward together; the first of equals."""
+        ran = [self, *(a for _, a in self.alternatives if isinstance(a, ScalePlan))]
+        return min(ran, key=lambda p: p.totals["sent forward"] + p.totals["sent backward"]).option
 
     @property
     def site(self) -> SitePlan:
@@ -128,7 +141,7 @@ class ScalePlan:
         site, totals = self.site, self.totals
         head = (
             f"ring_dilated plan: N = {site.n:,} tokens over {site.world} ranks ({site.n_local:,} per rank, "
-            f"{site.sharding}, {site.layout}{', all-to-all' if site.exchanged else ''}), batch {site.batch}, {site.hq} query / {site.hkv} kv heads "
+            f"{site.sharding}, {site.layout}, {self.option}), batch {site.batch}, {site.hq} query / {site.hkv} kv heads "
             f"of {site.d}, {str(site.dtype).removeprefix('torch.')}, causal {site.is_causal}; per rank, "
             "the most of any rank"
         )
@@ -154,14 +167,16 @@ class ScalePlan:
             f"{_gib(totals['saved'])} GiB; attention peak {_gib(totals['peak'])} GiB (estimate "
             "as inductor schedules the site, Note [Memory of a site])",
         ]
-        if isinstance(self.alternative, ScalePlan):
-            other = self.alternative.totals
-            lines.append(
-                f"comm={self.alternative.site.comm!r} instead: sends {_gib(other['sent forward'])} GiB forward, "
-                f"{_gib(other['sent backward'])} GiB backward; attention peak {_gib(other['peak'])} GiB"
-            )
-        elif self.alternative is not None:
-            lines.append(f"comm={_other(site.comm)!r} instead: cannot run ({self.alternative})")
+        for name, other in self.alternatives:
+            if isinstance(other, ScalePlan):
+                lines.append(
+                    f"{name} instead: sends {_gib(other.totals['sent forward'])} GiB forward, "
+                    f"{_gib(other.totals['sent backward'])} GiB backward; attention peak {_gib(other.totals['peak'])} GiB"
+                )
+            else:
+                lines.append(f"{name} instead: cannot run ({other})")
+        if self.alternatives:
+            lines.append(f"sends least: {self.least_sent}")
         if self.layers > 1:
             lines.append(
                 f"{self.layers} layers: {_gib(totals['model peak'])} GiB (each layer's q, k, v and "
@@ -170,8 +185,8 @@ class ScalePlan:
         return "\n".join(lines)
 
 
-def _other(comm: str) -> str:
-    return "all_to_all" if comm == "ring" else "ring"
+def _option(comm: str, a2a: int) -> str:
+    return f"comm={comm!r}" + (f", a2a_ranks={a2a}" if comm == "hybrid" else "")
 
 
 def _gib(n: int) -> str:
@@ -195,6 +210,7 @@ def plan(
     sharding: str = "sharded",
     layout: str = "zigzag",
     comm: str = "ring",
+    a2a_ranks: int | None = None,
 ) -> ScalePlan:
     """What one attention layer of ``seq_len`` tokens needs on each of ``world_size`` ranks.
 
@@ -224,8 +240,12 @@ def plan(
             Default: ``"sharded"``.
         layout (str): ``"zigzag"`` or ``"contiguous"``, as ``RingDilatedConfig``.
             Default: ``"zigzag"``.
-        comm (str): ``"ring"`` or ``"all_to_all"``, as ``RingDilatedConfig``; the plan also
-            says what the other would send and hold, or why it cannot run. Default: ``"ring"``.
+        comm (str): ``"ring"``, ``"all_to_all"`` or ``"hybrid"``, as ``RingDilatedConfig``; the
+            plan also says what every other option would send and hold (the ring, the
+            all-to-all, the hybrid in groups of each divisor of ``P``), or why it cannot run,
+            and which sends least. Default: ``"ring"``.
+        a2a_ranks (int, optional): ranks in each all-to-all group of ``comm="hybrid"``.
+            Default: ``None``.
 
     Returns:
         ScalePlan: the plans of every rank; ``print`` it for the table.
@@ -249,29 +269,38 @@ def plan(
         ring across GPUs (NCCL) has never been measured.
     """
     config = RingDilatedConfig(
-        segment_lengths=segment_lengths, dilation_rates=dilation_rates, sharding=sharding, layout=layout, comm=comm
-    )
+        segment_lengths=segment_lengths, dilation_rates=dilation_rates, sharding=sharding, layout=layout, comm=comm,
+        a2a_ranks=a2a_ranks,
+    )  # fmt: skip
     kv_heads = heads if kv_heads is None else kv_heads
 
-    def plans(comm: str) -> tuple[SitePlan, ...]:
-        return tuple(
-            SitePlan.build(
-                batch=batch, hq=heads, hkv=kv_heads, n=seq_len, d=head_dim, dv=head_dim, dtype=dtype,
-                device=device, scale=head_dim**-0.5, is_causal=is_causal, has_mask=False,
-                branches=config.branches(seq_len), world=world_size, rank=rank, sharding=sharding, layout=layout,
-                comm=comm,
-            )  # fmt: skip
-            for rank in range(world_size)
+    def plans(comm: str, a2a: int | None) -> ScalePlan:
+        if comm != "ring" and sharding != "sharded":
+            raise ValueError(f"comm={comm!r} needs sharding='sharded'")
+        return ScalePlan(
+            tuple(
+                SitePlan.build(
+                    batch=batch, hq=heads, hkv=kv_heads, n=seq_len, d=head_dim, dv=head_dim, dtype=dtype,
+                    device=device, scale=head_dim**-0.5, is_causal=is_causal, has_mask=False,
+                    branches=config.branches(seq_len), world=world_size, rank=rank, sharding=sharding,
+                    layout=layout, comm=comm, a2a=a2a,
+                )  # fmt: skip
+                for rank in range(world_size)
+            ),
+            layers,
         )
 
-    mine = plans(comm)
-    other = "all_to_all" if comm == "ring" else "ring"
-    alternative: ScalePlan | str | None = None
-    if world_size > 1:
+    mine = plans(comm, a2a_ranks)
+    options = [("ring", None), ("all_to_all", None)] + [
+        ("hybrid", a) for a in range(2, world_size) if world_size % a == 0
+    ]  # fmt: skip
+    alternatives = []
+    for other, a2a in options if world_size > 1 else ():
+        name = _option(other, a2a)
+        if name == mine.option:
+            continue
         try:
-            if sharding != "sharded":
-                raise ValueError("comm='all_to_all' needs sharding='sharded'")
-            alternative = ScalePlan(plans(other), layers)
+            alternatives.append((name, plans(other, a2a)))
         except ValueError as error:
-            alternative = str(error)
-    return ScalePlan(mine, layers, alternative)
+            alternatives.append((name, str(error)))
+    return dataclasses.replace(mine, alternatives=tuple(alternatives))

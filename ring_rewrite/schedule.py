@@ -57,12 +57,16 @@ class Branch:
     r: int
     layout: BranchLayout
     ring: tuple[int, ...]
-    """Ranks of the (sub-)ring in ring order, as ranks of the site's process group (Note [Group
-    ranks]); one rank for a local branch."""
+    """Ranks of the (sub-)ring in ring order, as ranks of the plan's ``world`` (whose shards
+    the layout names); one rank for a local branch."""
     position: int
     """This rank's index in ``ring``."""
     steps: tuple[tuple[Parts, ...], ...]
     """Blocks computed at each step (step s holds the K/V of ``ring[position - s]``)."""
+    peers: tuple[int, ...] = ()
+    """The rank in the site's process group of each rank of the plan's world (Note [Group
+    ranks]), where they differ: a hybrid's ring runs across its all-to-all groups (Note [Heads
+    across ranks]). Empty: the same."""
 
     @property
     def is_local(self) -> bool:
@@ -70,11 +74,16 @@ class Branch:
 
     @property
     def send_to(self) -> int:
-        return self.ring[(self.position + 1) % len(self.ring)]
+        """The group rank this rank sends to."""
+        return self.group_rank(self.ring[(self.position + 1) % len(self.ring)])
 
     @property
     def recv_from(self) -> int:
-        return self.ring[(self.position - 1) % len(self.ring)]
+        """The group rank this rank receives from."""
+        return self.group_rank(self.ring[(self.position - 1) % len(self.ring)])
+
+    def group_rank(self, rank: int) -> int:
+        return self.peers[rank] if self.peers else rank
 
 
 def schedule_branch(
@@ -89,9 +98,10 @@ def schedule_branch(
     batch: int,
     hq: int,
     hkv: int,
+    peers: tuple[int, ...] = (),
 ) -> Branch:
-    """The branch on ``rank`` of a group of ``world`` ranks; raises ValueError when the
-    shards cannot carry it."""
+    """The branch on ``rank`` of a group of ``world`` ranks (``peers``: their ranks in the
+    process group, where they differ); raises ValueError when the shards cannot carry it."""
     n_local = n_global // world
     if world == 1:
         geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
@@ -128,7 +138,7 @@ def schedule_branch(
         _blocks(rank, ring[(position - s) % len(ring)], parts, full, is_causal)
         for s in range(len(ring))
     )
-    return Branch(w, r, geometry, ring, position, steps)
+    return Branch(w, r, geometry, ring, position, steps, peers)
 
 
 def _blocks(k: int, j: int, parts: int, full: bool, causal: bool) -> tuple[Parts, ...]:

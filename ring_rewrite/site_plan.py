@@ -27,6 +27,19 @@ head, its rank's heads then reading their whole row of keys; document ids are ev
 already (the rewrite gathers them) and a band is a rule on positions, so the inner plan keeps
 both. Dropout is not carried. A site that cannot run so is an error naming ``comm="ring"`` (``_check_exchange``).
 
+``comm="hybrid"`` runs the all-to-alls within groups of ``a2a`` consecutive ranks (``SitePlan.a2a``;
+``"all_to_all"`` is one group of every rank) and a ring across the groups: after the exchange,
+group ``g`` holds its ranks' tokens for ``H / a2a`` heads, and those tokens are exactly shard
+``g`` of the same layout over ``P / a2a`` ranks (contiguous: the group's shards side by side;
+zigzag: its ranks' first chunks in order, then their second chunks in reverse,
+``Layout.regroup``). So the inner plan is an ordinary ring plan of ``P / a2a`` ranks over those
+shards, whose ring runs between the ranks in the same place of every group (``Branch.peers``:
+rank ``j`` of the ring is group rank ``j a2a + rank % a2a``), on the site's own group and token
+chain: one header per call, the same deadlines, errors and recovery for the exchanges and the
+ring's transfers. A rank sends ``(a2a - 1) / a2a`` of each tensor it exchanges, and its K/V
+shard (``N a2a / P`` tokens of ``H / a2a`` heads: as large as a flat ring's) goes round a ring of
+``P / a2a`` ranks instead of ``P``.
+
 Note [Head chunks]
 ~~~~~~~~~~~~~~~~~~
 Heads never interact, so a ring branch may run its whole ring for a slice of the heads, then
@@ -134,55 +147,66 @@ class SitePlan:
     """Whether the key bias holds more than a mask (a bias such as ALiBi's, which grows with the
     position): block calls then recentre it (Note [Recentred key biases])."""
     comm: str = "ring"
-    """``"all_to_all"`` (with more than one rank): the site exchanges sequence shards for head
-    shards, attends the whole sequence for its heads (``inner``) and exchanges back (Note
-    [Heads across ranks]); its branches are ``inner``'s."""
+    """``"all_to_all"`` or ``"hybrid"`` (with more than one rank): the site exchanges sequence
+    shards for head shards within groups of ``a2a`` ranks, attends its heads (``inner``: the
+    whole sequence, or a ring across the groups) and exchanges back (Note [Heads across
+    ranks]); its branches are ``inner``'s."""
+    a2a: int = 1
+    """Ranks in each all-to-all group, consecutive ranks of the group: 1 for a ring, ``world``
+    for ``"all_to_all"``, in between for ``"hybrid"``."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0, band=None, documents=None, recentred=False, comm="ring",
+        pad=0, dropout=0.0, band=None, documents=None, recentred=False, comm="ring", a2a=None,
     ):  # fmt: skip
         if world > 1:
             layout_of(layout).chunk_size(n, world)  # raises where n does not cut evenly
-        exchanged = comm == "all_to_all" and world > 1
-        if exchanged:
-            _check_exchange(hq, world, branches, dropout)
-        share = world if exchanged else 1  # all-to-all: the whole sequence, H / P heads
-        copies = _kv_copies(hkv, world) if exchanged else 1
+        a2a = _a2a_ranks(comm, world, a2a)
+        if a2a > 1:
+            _check_exchange(comm, hq, a2a, branches, dropout)
+        copies = _kv_copies(hkv, a2a)
+        # The branches run over the ring across the all-to-all groups: rank ``rank // a2a`` of
+        # ``world // a2a``, whose process-group ranks are those of this rank's place in its group.
+        peers = tuple(range(rank % a2a, world, a2a)) if 1 < a2a < world else ()
         plans = tuple(
             schedule_branch(
-                w, r, n_global=n, world=1 if exchanged else world, rank=0 if exchanged else rank, layout=layout,
-                is_causal=is_causal, batch=batch, hq=hq // share, hkv=hkv * copies // share,
+                w, r, n_global=n, world=world // a2a, rank=rank // a2a, layout=layout, is_causal=is_causal,
+                batch=batch, hq=hq // a2a, hkv=hkv * copies // a2a, peers=peers,
             )  # fmt: skip
             for w, r in branches
         )
         ranks = global_ranks(group_name) if group_name else tuple(range(world))
+        comm = "ring" if a2a == 1 else "all_to_all" if a2a == world else "hybrid"
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
             world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band, documents,
-            recentred and has_mask, "all_to_all" if exchanged else "ring",
+            recentred and has_mask, comm, a2a,
         )  # fmt: skip
 
     @property
     def exchanged(self) -> bool:
-        """Whether the site runs across its ranks by all-to-all (Note [Heads across ranks])."""
-        return self.comm == "all_to_all"
+        """Whether the site exchanges its inputs for heads (Note [Heads across ranks])."""
+        return self.a2a > 1
 
     @property
     def kv_copies(self) -> int:
-        """How many copies of each key/value head an all-to-all site exchanges: the fewest that
-        let the ranks split them (1 where the kv heads divide by ``P``)."""
-        return _kv_copies(self.hkv, self.world) if self.exchanged else 1
+        """How many copies of each key/value head an exchanging site sends: the fewest that let
+        an all-to-all group split them (1 where the kv heads divide by ``a2a``)."""
+        return _kv_copies(self.hkv, self.a2a)
 
     @functools.cached_property
     def inner(self) -> SitePlan:
-        """An all-to-all site's attention on one rank: the whole sequence for its ``H / P``
-        query heads and their key/value heads, with the same branches."""
+        """An exchanging site's attention on this rank: its ``H / a2a`` query heads and their
+        key/value heads with the same branches, over the whole sequence (``"all_to_all"``) or
+        as rank ``rank // a2a`` of the ring across the groups (``"hybrid"``)."""
+        world, a2a = self.world // self.a2a, self.a2a
+        members = range(self.rank % a2a, self.world, a2a)  # the ring's ranks, in the group
         return dataclasses.replace(
-            self, hq=self.hq // self.world, hkv=self.hkv * self.kv_copies // self.world, world=1, rank=0,
-            group_name="", ranks=(self.ranks[self.rank],), comm="ring",
+            self, hq=self.hq // a2a, hkv=self.hkv * self.kv_copies // a2a, world=world, rank=self.rank // a2a,
+            group_name=self.group_name if world > 1 else "", ranks=tuple(self.ranks[m] for m in members),
+            comm="ring", a2a=1,
         )  # fmt: skip
 
     @property
@@ -260,23 +284,38 @@ class SitePlan:
         return self.has_mask or (padded and not self.is_causal)
 
 
-def _check_exchange(hq: int, world: int, branches, dropout: float) -> None:
-    """Raise ValueError where an all-to-all cannot carry the site (Note [Heads across ranks])."""
-    fix = "use comm='ring'"
-    if hq % world:
+def _a2a_ranks(comm: str, world: int, a2a: int | None) -> int:
+    """Ranks in each all-to-all group of a site on ``world`` ranks (``SitePlan.a2a``)."""
+    if world == 1 or comm == "ring":
+        return 1
+    if comm == "all_to_all":
+        return world
+    if not a2a or world % a2a:
         raise ValueError(
-            f"comm='all_to_all' splits the heads over the {world} ranks, but {hq} query heads are "
-            f"not a multiple of {world}; {fix}"
+            f"comm='hybrid' runs all-to-alls in groups of a2a_ranks consecutive ranks and a ring "
+            f"across the groups, so a2a_ranks must divide the {world} ranks, got {a2a}"
+        )
+    return a2a
+
+
+def _check_exchange(comm: str, hq: int, a2a: int, branches, dropout: float) -> None:
+    """Raise ValueError where an all-to-all of ``a2a`` ranks cannot carry the site (Note [Heads
+    across ranks])."""
+    fix = "use comm='ring'"
+    if hq % a2a:
+        raise ValueError(
+            f"comm={comm!r} splits the heads over {a2a} ranks, but {hq} query heads are "
+            f"not a multiple of {a2a}; {fix}"
         )
     for _, r in branches:
-        if (hq // world) % r:
+        if (hq // a2a) % r:
             raise ValueError(
-                f"comm='all_to_all' gives each rank {hq // world} query heads, not a multiple of the "
+                f"comm={comm!r} gives each rank {hq // a2a} query heads, not a multiple of the "
                 f"dilation rate {r}: a rank's heads would not keep their lattice offsets (head j "
                 f"takes j % r); {fix}"
             )
     if dropout:
-        raise ValueError(f"comm='all_to_all' does not carry dropout; {fix}")
+        raise ValueError(f"comm={comm!r} does not carry dropout; {fix}")
 
 
 def _kv_copies(hkv: int, world: int) -> int:

@@ -27,20 +27,25 @@ def _sdpa(q, k, v, *, is_causal):
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _case(rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: float) -> None:
+def _case(
+    rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: float, a2a=None
+) -> None:  # fmt: skip
+    """``hq`` (and ``hkv``) heads per rank of an all-to-all group (of ``a2a`` ranks, or all)."""
     g = torch.Generator().manual_seed(7)
-    q, dout = (torch.randn(2, hq * world, N, D, generator=g, dtype=torch.float64) for _ in range(2))
-    kv_heads = round(hkv * world)
+    group = a2a or world
+    q, dout = (torch.randn(2, hq * group, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    kv_heads = round(hkv * group)
     k, v = (torch.randn(2, kv_heads, N, D, generator=g, dtype=torch.float64) for _ in range(2))
     whole = [x.clone().requires_grad_() for x in (q, k, v)]
-    group = (hq * world) // kv_heads
+    shared = (hq * group) // kv_heads  # query heads per kv head
     expected = reference_attention(
-        whole[0], whole[1].repeat_interleave(group, 1), whole[2].repeat_interleave(group, 1),
+        whole[0], whole[1].repeat_interleave(shared, 1), whole[2].repeat_interleave(shared, 1),
         segment_lengths=seg, dilation_rates=rates, is_causal=causal,
     )  # fmt: skip
     expected.backward(dout)
     local = [ring_rewrite.shard(x.float(), 2, layout=layout).requires_grad_() for x in (q, k, v)]
-    options = dict(sharding="sharded", layout=layout, comm="all_to_all", compiler=compiler, timeout=60)
+    comm = "all_to_all" if a2a is None else "hybrid"
+    options = dict(sharding="sharded", layout=layout, comm=comm, a2a_ranks=a2a, compiler=compiler, timeout=60)
     if seg is not None:
         options.update(segment_lengths=seg, dilation_rates=rates)
     backend = ring_rewrite.backend(**options)
@@ -50,13 +55,13 @@ def _case(rank: int, world: int, compiler: str, layout: str, seg, rates, causal:
     sent_forward = counters["ring_rewrite"]["bytes_sent"]
     out.backward(ring_rewrite.shard(dout.float(), 2, layout=layout))
     (record,) = backend.records
-    assert record.rewritten and record.plan.exchanged, record
-    assert record.plan.kv_copies == max(1, world // kv_heads), record.plan
+    assert record.rewritten and record.plan.exchanged and record.plan.comm == comm, record
+    assert record.plan.kv_copies == max(1, group // kv_heads), record.plan
     assert bytes_sent(record.plan) == {"forward": sent_forward, "backward": counters["ring_rewrite"]["bytes_sent"] - sent_forward}
-    exchanges = [s.tensor for s in record.forward_program.transfers()]
-    assert exchanges == ["q", "k", "v", "out"] and all(isinstance(s, Exchange) for s in record.forward_program.transfers())
-    assert [s.tensor for s in record.backward_program.transfers()] == ["dout", "dq", "dk", "dv"]
-    what = (compiler, layout, seg, rates, causal, world)
+    for graph, names in (("forward", ["q", "k", "v", "out"]), ("backward", ["dout", "dq", "dk", "dv"])):
+        exchanges = [s for s in getattr(record, f"{graph}_program").transfers() if isinstance(s, Exchange)]
+        assert [s.tensor for s in exchanges] == names
+    what = (compiler, layout, seg, rates, causal, world, a2a)
     got = ring_rewrite.unshard(out.detach(), 2, layout=layout)
     assert rel_err(got, expected.detach()) < BOUND, what
     for name, x, ref in zip("qkv", local, whole):
@@ -147,28 +152,66 @@ def test_a_key_bias_is_exchanged_with_the_inputs():
     assert attention_memory_bytes(plan)["saved"] - attention_memory_bytes(unmasked)["saved"] == bias
 
 
-def _masked(rank: int, world: int) -> None:
+def _masked(rank: int, world: int, a2a=None) -> None:
     """Key-padding masks, windows, ALiBi's key bias and packed documents through the exchange,
-    each rank holding its shard of the padding, positions or ids (``test_masks``' cases)."""
+    each rank holding its shard of the padding, positions or ids (``test_masks``' cases; 4 heads)."""
     from test_masks import SHARDED_DOCUMENTS, _check, _check_documents
 
-    dilated = ([16, 64], [1, 2]) if world == 2 else ([16, 64], [1, 1])  # H / P = 4 / P heads a rank
-    for kind, (segs, rates), layout in [
+    comm = dict(comm="all_to_all" if a2a is None else "hybrid", a2a=a2a)
+    dilated = ([16, 64], [1, 2]) if (a2a or world) == 2 else ([16, 64], [1, 1])  # 4 / a2a heads a rank
+    kinds = [
         ("hf_causal", dilated, "zigzag"), ("hf_window", (None, None), "contiguous"),
         ("alibi_key", dilated, "zigzag"), ("two_sided", dilated, "contiguous"),
-    ]:  # fmt: skip
-        _check(kind, segs, rates, "inductor", world=world, rank=rank, sharding="sharded", layout=layout, comm="all_to_all")
-    for name in ("hf-packed", "doc-window", "hf-blocks"):
+    ]  # fmt: skip
+    for kind, (segs, rates), layout in kinds if a2a is None else kinds[:2]:
+        _check(kind, segs, rates, "inductor", world=world, rank=rank, sharding="sharded", layout=layout, **comm)
+    for name in ("hf-packed", "doc-window", "hf-blocks") if a2a is None else ("hf-packed",):
         build, data = SHARDED_DOCUMENTS[name]
         _check_documents(
             build, data(2, 64), *dilated, "inductor", world=world, rank=rank, n=64, sharding="sharded",
-            layout="zigzag", comm="all_to_all",
+            layout="zigzag", **comm,
         )  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_masks_and_documents_through_the_all_to_all_match_the_reference(world):
     run_ranks(world, _masked)
+
+
+# ---- the hybrid: all-to-alls in groups, a ring across them ------------------------------------------
+
+
+def _hybrid(rank: int, world: int, compiler: str) -> None:
+    for layout in ("contiguous", "zigzag"):
+        for case in CASES:
+            _case(rank, world, compiler, layout, *case, a2a=2)
+    _case(rank, world, compiler, "zigzag", [16, 64], [1, 2], True, 2, 1 / 2, a2a=2)  # kv heads copied
+    _masked(rank, world, a2a=2)
+
+
+def test_a_two_by_two_hybrid_matches_the_reference_under_inductor():
+    run_ranks(4, _hybrid, "inductor")
+
+
+def test_a_hybrid_site_rings_across_its_all_to_all_groups():
+    """P = 8 in all-to-all groups of 2: rank 5 (group 2, second place) exchanges with rank 4,
+    and its ring runs over ranks 1, 3, 5, 7 (the second place of every group), as rank 2 of 4
+    over the groups' tokens (a quarter of the sequence) for half of the heads."""
+    plan = _plan(world=8, rank=5, comm="hybrid", a2a=2, n=512, branches=((64, 1), (512, 2)))
+    inner = plan.inner
+    assert (plan.comm, inner.world, inner.rank, inner.n_local, inner.hq, inner.hkv) == ("hybrid", 4, 2, 128, 4, 2)
+    local, ring = plan.branches
+    assert local.is_local and ring.ring == (0, 1, 2, 3) and ring.peers == (1, 3, 5, 7)
+    assert (ring.send_to, ring.recv_from) == (7, 3)
+    forward = build(plan, "forward").transfers()
+    assert [type(s).__name__ for s in forward] == ["Exchange"] * 3 + ["Start"] * 3 + ["Exchange"]
+    assert all(s.send_to == 7 and s.recv_from == 3 for s in forward if not isinstance(s, Exchange))
+    shard = 64 * 16 * 4  # one head's shard of 64 tokens, float32; each exchange sends its half
+    assert [s.bytes for s in forward if isinstance(s, Exchange)] == [8 * shard // 2 + 8, 4 * shard // 2 + 8, 4 * shard // 2 + 8, 8 * shard // 2 + 8]
+    with pytest.raises(ValueError, match="a2a_ranks must divide the 8 ranks, got 3"):
+        _plan(world=8, rank=5, comm="hybrid", a2a=3, n=48 * 8)
+    with pytest.raises(ValueError, match="goes with comm='hybrid'"):
+        ring_rewrite.RingDilatedConfig(sharding="sharded", comm="all_to_all", a2a_ranks=2)
 
 
 # ---- faults ------------------------------------------------------------------------------------

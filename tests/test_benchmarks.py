@@ -190,12 +190,15 @@ def test_gpu_sizes_and_targets():
 
 def test_comm_options_plan_rows_name_the_option_that_moves_least():
     """``comm_options.py``'s plan table: over 8 and 32 ranks the all-to-all moves less than the
-    ring; 64 heads cannot be split over 128 or 512 ranks, and only the ring runs."""
+    ring and any hybrid; 64 heads cannot be split over 128 or 512 ranks, and the hybrid in groups
+    of 64 sends least there, less than the ring."""
     import comm_options
 
     rows = {(r["N"], r["P"]): r for r in comm_options._plan_rows()}
     for (n, world), row in rows.items():
         if world <= 32:
-            assert row["all-to-all GiB"] < row["ring GiB"] and row["moves least"] == "all-to-all", row
+            assert row["all-to-all GiB"] < min(row["ring GiB"], row["hybrid GiB"]), row
+            assert row["sends least"] == "comm='all_to_all'", row
         else:
-            assert row["all-to-all GiB"] is None and row["moves least"].startswith("ring"), row
+            assert row["all-to-all GiB"] is None and row["best hybrid"] == "a2a_ranks=64", row
+            assert row["hybrid GiB"] < row["ring GiB"] and row["sends least"] == "comm='hybrid', a2a_ranks=64", row

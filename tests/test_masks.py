@@ -255,7 +255,8 @@ def test_mask_without_a_structure_is_left_alone(build, reason):
 
 
 def _check(
-    kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated", layout="contiguous", n=64, comm="ring"
+    kind, segs, rates, compiler, *, world=1, rank=0, sharding="replicated", layout="contiguous", n=64, comm="ring",
+    a2a=None,
 ):  # fmt: skip
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
@@ -268,7 +269,8 @@ def _check(
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
     torch._dynamo.reset()
     backend = ring_rewrite.backend(
-        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout, comm=comm
+        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout, comm=comm,
+        a2a_ranks=a2a,
     )
     compiled = torch.compile(_attend(kind), backend=backend, fullgraph=True)
     inputs = (q, k, v)
@@ -358,7 +360,7 @@ def _packed(b: int, n: int) -> torch.Tensor:
 
 def _check_documents(
     build, data, segs, rates, compiler, *, world=1, rank=0, n=48, sharding="replicated", layout="contiguous",
-    dtype=torch.float32, documents=True, comm="ring",
+    dtype=torch.float32, documents=True, comm="ring", a2a=None,
 ):  # fmt: skip
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
@@ -373,7 +375,8 @@ def _check_documents(
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
     torch._dynamo.reset()
     backend = ring_rewrite.backend(
-        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout, comm=comm
+        segment_lengths=segs, dilation_rates=rates, compiler=compiler, sharding=sharding, layout=layout, comm=comm,
+        a2a_ranks=a2a,
     )
 
     def attend(q, k, v, data):

@@ -140,20 +140,28 @@ def test_memory_walks_the_program():
     assert memory.site_memory(site)["peak"] >= early
 
 
-def test_a_plan_says_what_the_other_comm_would_send():
+def test_a_plan_says_what_every_other_comm_would_send():
     """Exact attention over 8 ranks: the all-to-all sends 7/8 of q, k, v and out forward (of dout,
-    dq, dk, dv backward), the ring its K/V 7 times forward and K/V with dK/dV backward; where the
-    heads cannot be split over the ranks the plan says why."""
+    dq, dk, dv backward), the ring its K/V 7 times forward and K/V with dK/dV backward, the hybrid
+    in groups of 4 both: 3/4 of each tensor, and its K/V (as large as the ring's) once round a
+    ring of 2; where the heads cannot be split over the ranks the plan says why."""
     n, world, heads, kv, d = 2**14, 8, 16, 8, 64
     p = ring_rewrite.plan(n, world, heads=heads, kv_heads=kv, head_dim=d, dtype=torch.bfloat16)
-    other = p.alternative
+    others = dict(p.alternatives)
+    assert list(others) == ["comm='all_to_all'", "comm='hybrid', a2a_ranks=2", "comm='hybrid', a2a_ranks=4"]
+    other, hybrid = others["comm='all_to_all'"], others["comm='hybrid', a2a_ranks=4"]
     assert p.site.comm == "ring" and other.site.comm == "all_to_all" and other.site.exchanged
     shard = n // world * d * 2  # one head's shard, bfloat16
-    tag = 8 * (world - 1)  # one 8-byte tag a message
-    sent = (heads + kv + kv + heads) * shard * (world - 1) // world + 4 * tag
+    exchanged = (heads + kv + kv + heads) * shard  # q, k, v and out (dout, dq, dk, dv)
+    sent = exchanged * (world - 1) // world + 4 * 8 * (world - 1)  # one 8-byte tag a message
     assert other.totals["sent forward"] == other.totals["sent backward"] == sent
     ring = (world - 1) * 2 * kv * shard
     assert p.totals["sent forward"] == ring and p.totals["sent backward"] == 3 * ring  # dK/dV in float32
-    assert "comm='all_to_all' instead: sends" in str(p)
-    refused = ring_rewrite.plan(n, 32, heads=heads, kv_heads=kv, head_dim=d)
-    assert "comm='all_to_all' instead: cannot run" in str(refused) and "not a multiple of 32" in refused.alternative
+    tags = 4 * 8 * 3
+    assert hybrid.totals["sent forward"] == exchanged * 3 // 4 + tags + ring // 7
+    assert hybrid.totals["sent backward"] == exchanged * 3 // 4 + tags + 3 * ring // 7
+    assert "comm='all_to_all' instead: sends" in str(p) and p.least_sent == "comm='all_to_all'"
+    assert str(p).endswith("sends least: comm='all_to_all'")
+    refused = dict(ring_rewrite.plan(n, 32, heads=heads, kv_heads=kv, head_dim=d).alternatives)
+    assert "not a multiple of 32" in refused["comm='all_to_all'"]
+    assert isinstance(refused["comm='hybrid', a2a_ranks=16"], ring_rewrite.ScalePlan)

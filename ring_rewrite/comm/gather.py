@@ -84,10 +84,11 @@ torch.fx.node.has_side_effect(torch.ops.ring_rewrite.all_gather_seq.default)
 
 @torch.library.custom_op("ring_rewrite::all_to_all_seq", mutates_args=())
 def all_to_all_seq(
-    x: torch.Tensor, token: torch.Tensor, group_name: str, world: int, tag: int
+    x: torch.Tensor, token: torch.Tensor, group_name: str, world: int, tag: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's pieces exchanged: ``x[j]`` goes to rank ``j`` of the group, and the result's
-    ``[j]`` is what rank ``j`` sent this one (its ``x[me]``); ``x`` is ``(world, ...)``.
+    """Every rank's pieces exchanged among the ``world`` ranks ``first, first + 1, ...`` of the
+    group: ``x[j]`` goes to rank ``first + j``, and the result's ``[j]`` is what that rank sent
+    this one (its ``x[me]``); ``x`` is ``(world, ...)``.
 
     Point-to-point like ``all_gather_seq`` (one transfer per distance), ``tag`` in every
     payload: ranks that exchanged different tensors fail loudly. Unlike a gather's, each message
@@ -98,12 +99,12 @@ def all_to_all_seq(
     index = Tag.decode(tag).chunk
     _, tag, _, timeout = _message_tag(token, tag)
     check = _tag_bytes(tag, x.device)
-    me = dist.get_rank(_group(group_name))
+    me = dist.get_rank(_group(group_name)) - first
     pieces = x.contiguous().view(world, -1).view(torch.uint8)
     keys = [
         _start(
-            group_name, token, [torch.cat([pieces[(me + d) % world], check])], (me + d) % world,
-            (me - d) % world, transfer_tag(EXCHANGE, GATHER, d, index),
+            group_name, token, [torch.cat([pieces[(me + d) % world], check])], first + (me + d) % world,
+            first + (me - d) % world, transfer_tag(EXCHANGE, GATHER, d, index),
         )  # fmt: skip
         for d in range(1, world)
     ]
@@ -113,7 +114,7 @@ def all_to_all_seq(
         got = pending.received[0]
         if int(got[-check.numel() :].view(torch.int64)) != tag:
             raise RuntimeError(
-                f"ring_rewrite: all_to_all_seq mixed transfers: rank {(me - d) % world} sent tag "
+                f"ring_rewrite: all_to_all_seq mixed transfers: rank {first + (me - d) % world} sent tag "
                 f"{int(got[-check.numel() :].view(torch.int64))} (expected {tag}); the ranks ran "
                 "their all-to-alls in different orders"
             )
@@ -122,7 +123,7 @@ def all_to_all_seq(
 
 
 @all_to_all_seq.register_fake
-def _(x, token, group_name, world, tag):
+def _(x, token, group_name, world, tag, first=0):
     return x.new_empty(x.shape), token.new_empty(token.shape)
 
 

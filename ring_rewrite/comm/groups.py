@@ -8,8 +8,8 @@ recovery, data) runs on a group of its own, ``ring_group``: the same ranks, made
 group at the first compile (``new_group`` among its members), so that nothing of the ring can pair
 with a collective of the user's on their group, even after a fault left one of ours half done.
 Everything in ``ring_rewrite/comm/`` speaks that group's ranks: the plans (``SitePlan.rank``,
-``Branch.ring``), ``ring_shift_start``'s ``send_to`` / ``recv_from``, the gathers and
-recovery. torch's ``P2POp`` takes a global rank, and ``global_rank`` is the one translation: where
+``Branch.send_to`` / ``recv_from``), ``ring_shift_start``'s ``send_to`` / ``recv_from``, the
+gathers, the all-to-alls and recovery. torch's ``P2POp`` takes a global rank, and ``global_rank`` is the one translation: where
 a ``P2POp`` is built (``_p2p``), and where an error or the report names a rank. A tag needs no
 group in it: gloo keeps one context per process group, and a message matches only a receive posted
 in its own group (two groups over the same two ranks, the same tag, received in the other order:

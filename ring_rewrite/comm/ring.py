@@ -101,12 +101,11 @@ class Rotater:
         )
         return stacked
 
-
-    def all_to_all(self, x, world: int, index: int):
-        """``x[j]`` sent to rank ``j``, and what every rank sent this one, stacked
-        (``all_to_all_seq``): the site's ``index``-th all-to-all."""
+    def all_to_all(self, x, world: int, index: int, first: int = 0):
+        """``x[j]`` sent to rank ``first + j``, and what each of those ``world`` ranks sent this
+        one, stacked (``all_to_all_seq``): the site's ``index``-th all-to-all."""
         got, self.token = torch.ops.ring_rewrite.all_to_all_seq(
-            x, self.token, self.group_name, world, transfer_tag(EXCHANGE, GATHER, 0, index)
+            x, self.token, self.group_name, world, transfer_tag(EXCHANGE, GATHER, 0, index), first
         )
         return got
 
