@@ -11,8 +11,7 @@ config and N, the options run in the same spawn of 4 ranks, one after the other:
 (compiles), a step checked against float64 over the whole sequence (every rank raises above
 1e-5), then a timed step whose bytes sent (``counters["ring_rewrite"]["bytes_sent"]``) must equal
 the plan's (``report.bytes_sent``), and one more under ``torch.profiler`` for the allocator's
-peak, beside the report's estimate. LongNet: segments N/8, N/4, N/2 with rates 1, 2, 4 (16 heads,
-so each rank's 4 keep their lattice offsets under the all-to-all, and 8 under the hybrid).
+peak, beside the report's estimate. LongNet: segments N/8, N/4, N/2 with rates 1, 2, 4.
 
 The plan table: ``ring_rewrite.plan`` for 1M and 16M tokens over 8 to 512 ranks, 64 heads of
 128, bfloat16, exact attention: bytes per rank per step of the ring, the all-to-all (or why it

@@ -99,17 +99,19 @@ def schedule_branch(
     hq: int,
     hkv: int,
     peers: tuple[int, ...] = (),
+    head0: int = 0,
 ) -> Branch:
     """The branch on ``rank`` of a group of ``world`` ranks (``peers``: their ranks in the
-    process group, where they differ); raises ValueError when the shards cannot carry it."""
+    process group, where they differ) for the site's query heads ``[head0, head0 + hq)``;
+    raises ValueError when the shards cannot carry it."""
     n_local = n_global // world
     if world == 1:
-        geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
+        geometry = BranchLayout(w, r, n_local, batch, hq, hkv, head0)
         return Branch(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
     parts = layout_of(layout).parts
     part = n_local // parts
     if part % w == 0:
-        geometry = BranchLayout(w, r, n_local, batch, hq, hkv)
+        geometry = BranchLayout(w, r, n_local, batch, hq, hkv, head0)
         return Branch(w, r, geometry, (rank,), 0, ((Parts(0, 1, 0, 1, is_causal),),))
     if part % r:
         raise ValueError(
@@ -133,7 +135,7 @@ def schedule_branch(
     first = rank // size * size
     ring = tuple(range(first, min(first + size, world)))
     position = rank - first
-    geometry = BranchLayout(part, r, n_local, batch, hq, hkv)  # one "segment" per part
+    geometry = BranchLayout(part, r, n_local, batch, hq, hkv, head0)  # one "segment" per part
     steps = tuple(
         _blocks(rank, ring[(position - s) % len(ring)], parts, full, is_causal)
         for s in range(len(ring))

@@ -18,9 +18,9 @@ all-to-all is point-to-point (``all_to_all_seq``: one transfer per distance, on 
 chain, with the headers, deadlines and named errors of the ring's transfers) and sends ``(P - 1)
 / P`` of a tensor per rank whatever ``P``, where a ring passes every K/V by every rank; a rank's
 blocks then run the whole sequence. The program lists the all-to-alls (``program.Exchange``) around
-the inner plan's steps. A dilated branch gives head ``j`` the lattice offset ``j % r``, so a
-rank's heads keep their offsets only where ``H / P`` is a multiple of every rate. Query heads
-must split evenly; key/value heads are copied the fewest times that lets them split
+the inner plan's steps. A dilated branch gives head ``j`` the lattice offset ``j % r``: a rank's
+branches number their heads from its first (``BranchLayout.head0``), so each keeps its offset
+whatever ``H / P`` and the rates. Query heads must split evenly; key/value heads are copied the fewest times that lets them split
 (``kv_copies``, the report says how many; their gradients are summed over the copies on the way
 back). A key bias (a padding mask, ALiBi) is exchanged as a one-wide tensor of every query
 head, its rank's heads then reading their whole row of keys; document ids are every position's
@@ -165,7 +165,7 @@ class SitePlan:
             layout_of(layout).chunk_size(n, world)  # raises where n does not cut evenly
         a2a = _a2a_ranks(comm, world, a2a)
         if a2a > 1:
-            _check_exchange(comm, hq, a2a, branches, dropout)
+            _check_exchange(comm, hq, a2a, dropout)
         copies = _kv_copies(hkv, a2a)
         # The branches run over the ring across the all-to-all groups: rank ``rank // a2a`` of
         # ``world // a2a``, whose process-group ranks are those of this rank's place in its group.
@@ -173,7 +173,7 @@ class SitePlan:
         plans = tuple(
             schedule_branch(
                 w, r, n_global=n, world=world // a2a, rank=rank // a2a, layout=layout, is_causal=is_causal,
-                batch=batch, hq=hq // a2a, hkv=hkv * copies // a2a, peers=peers,
+                batch=batch, hq=hq // a2a, hkv=hkv * copies // a2a, peers=peers, head0=rank % a2a * (hq // a2a),
             )  # fmt: skip
             for w, r in branches
         )
@@ -298,7 +298,7 @@ def _a2a_ranks(comm: str, world: int, a2a: int | None) -> int:
     return a2a
 
 
-def _check_exchange(comm: str, hq: int, a2a: int, branches, dropout: float) -> None:
+def _check_exchange(comm: str, hq: int, a2a: int, dropout: float) -> None:
     """Raise ValueError where an all-to-all of ``a2a`` ranks cannot carry the site (Note [Heads
     across ranks])."""
     fix = "use comm='ring'"
@@ -307,13 +307,6 @@ def _check_exchange(comm: str, hq: int, a2a: int, branches, dropout: float) -> N
             f"comm={comm!r} splits the heads over {a2a} ranks, but {hq} query heads are "
             f"not a multiple of {a2a}; {fix}"
         )
-    for _, r in branches:
-        if (hq // a2a) % r:
-            raise ValueError(
-                f"comm={comm!r} gives each rank {hq // a2a} query heads, not a multiple of the "
-                f"dilation rate {r}: a rank's heads would not keep their lattice offsets (head j "
-                f"takes j % r); {fix}"
-            )
     if dropout:
         raise ValueError(f"comm={comm!r} does not carry dropout; {fix}")
 
