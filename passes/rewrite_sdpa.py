@@ -76,7 +76,7 @@ from ring_rewrite.comm.calls import check_agreement, name_sites, variant_hash
 from ring_rewrite.comm.groups import resolve_group, ring_group
 from ring_rewrite.comm.ring import Rotater
 from ring_rewrite.comm.transfers import checking_transfers
-from ring_rewrite.site_plan import SitePlan
+from ring_rewrite.site_plan import ExchangeRefused, SitePlan
 from ring_rewrite.config import RingDilatedConfig
 from ring_rewrite.layout import assemble, layout_of
 from ring_rewrite.numerics import masked_fills
@@ -221,7 +221,7 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
     try:
         return build(group, world, rank, pad=0), None
     except ValueError as error:
-        if config.sharding == "sharded" or world == 1:
+        if config.sharding == "sharded" or world == 1 or isinstance(error, ExchangeRefused):
             raise
         step = world * layout_of(config.layout).parts
         for padded in range(n + step - n % step, _MAX_PADDING * n + step, step):

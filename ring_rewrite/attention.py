@@ -952,9 +952,9 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
 
 @dataclasses.dataclass
 class _Exchanged:
-    """An all-to-all site call (Note [Heads across ranks]): its exchanges, and between them the
-    inner plan's steps, run by ``inner`` (its ``_Forward`` or ``_Backward``), which ``begin``
-    makes from the exchanged inputs."""
+    """An exchanging site call (Note [Heads across ranks]): its exchanges (in replicated mode,
+    its gathers), and between them the inner plan's steps, run by ``inner`` (its ``_Forward``
+    or ``_Backward``), which ``begin`` makes from the inputs for this rank's heads."""
 
     plan: SitePlan
     rotater: Rotater
@@ -962,9 +962,11 @@ class _Exchanged:
     """By name: the call's inputs, then what its exchanges made of them and of the results."""
     begin: Any
     inner: Any = None
+    probe: torch.Tensor | None = None
+    """Replicated mode: a few query values that ride with the output's gather (``_probe``)."""
 
     def run(self, step) -> None:
-        if not isinstance(step, Exchange):
+        if not isinstance(step, (Exchange, Gather)):
             if self.inner is None:
                 self.inner = self.begin(self.tensors)
             self.inner.run(step)
@@ -972,17 +974,39 @@ class _Exchanged:
         plan, name = self.plan, step.tensor
         copies = plan.kv_copies if name in ("k", "v", "dk", "dv") else 1
         with role("p2p"):
-            if step.to == "heads":
+            if isinstance(step, Exchange) and step.to == "heads":
                 x = self.tensors[name]
                 x = x.repeat_interleave(copies, 1) if copies > 1 else x
                 self.tensors[name] = _to_heads(plan, self.rotater, x, step.index)
-            else:
-                results = {"out": self.inner.out} if isinstance(self.inner, _Forward) else dict(
-                    zip(("dq", "dk", "dv"), self.inner.grads)
-                )
+                return
+            results = {"out": self.inner.out} if isinstance(self.inner, _Forward) else dict(
+                zip(("dq", "dk", "dv"), self.inner.grads)
+            )
+            if isinstance(step, Exchange):
                 x = _to_sequence(plan, self.rotater, results[name], step.index)
-                b, h, n, d = x.shape  # each head's gradient summed over its copies
-                self.tensors[name] = x.view(b, h // copies, copies, n, d).sum(2) if copies > 1 else x
+            else:
+                x = _gather_heads(plan, self.rotater, results[name], step.index, self.probe if name == "out" else None)
+            b, h, n, d = x.shape  # each head's gradient summed over its copies
+            self.tensors[name] = x.view(b, h // copies, copies, n, d).sum(2) if copies > 1 else x
+
+
+def _own_heads(plan: SitePlan, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Replicated mode: what ``_to_heads`` would make of ``x`` (``(B, H, N, D)``, the whole
+    sequence, key/value heads before their copies), taken from it where every rank holds it."""
+    copies = plan.kv_copies if name in ("k", "v") else 1
+    x = x.repeat_interleave(copies, 1) if copies > 1 else x
+    heads = x.shape[1] // plan.a2a
+    x = x.narrow(1, plan.rank % plan.a2a * heads, heads)
+    return take_shard(x, 2, plan.n, world=plan.world // plan.a2a, rank=plan.rank // plan.a2a, layout=plan.layout)
+
+
+def _gather_heads(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int, same=None) -> torch.Tensor:
+    """Replicated mode: every rank's ``x`` (its heads' shard of the ring across the all-to-all
+    groups) gathered into the whole ``(B, H, N, D)``."""
+    world = plan.world // plan.a2a
+    ring = rotater.all_gather(x, plan.world, index, same).unflatten(0, (world, plan.a2a))
+    heads = [assemble(ring[:, j], 2, x.shape[2], world=world, layout=plan.layout) for j in range(plan.a2a)]
+    return torch.cat(heads, 1)
 
 
 def _to_heads(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) -> torch.Tensor:
@@ -1007,48 +1031,73 @@ def _to_sequence(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int) 
 
 
 def _exchanged_forward(plan: SitePlan, qkv: tuple, mask, docs, token):
-    """``site_forward`` of an all-to-all site: what it saves are the exchanged q, k, v (and key
-    bias) and the inner call's out and lse, for its heads over the whole sequence; ``docs`` are
-    every position's already."""
+    """``site_forward`` of an exchanging site: what it saves are q, k, v (and a given key bias)
+    for its heads, as exchanged, and the inner call's out and lse; ``docs`` are every
+    position's already."""
     inner = plan.inner
     rotater = Rotater(plan.group_name, token)
-    tensors = dict(zip("qkv", qkv))
-    if mask is not None:  # every query head's key bias, exchanged as a one-wide tensor
-        tensors["bias"] = mask.to(plan.dtype).expand(plan.batch, plan.hq, plan.n_local).unsqueeze(-1)
+    if plan.replicated:
+        tensors, docs, probe = _heads_at_hand(plan, qkv, mask, docs)
+    else:
+        tensors, probe = dict(zip("qkv", qkv)), None
+        if mask is not None:  # every query head's key bias, exchanged as a one-wide tensor
+            tensors["bias"] = _key_bias_rows(plan, mask, plan.n_local)
     run = _Exchanged(
         plan, rotater, tensors,
         lambda t: _Forward(inner, rotater, _Inputs.take(inner, (t["q"], t["k"], t["v"]), _bias_of(t), docs), None),
+        probe=probe,
     )  # fmt: skip
     for step in build(plan, "forward").steps:
         run.run(step)
-    out, bias = run.tensors["out"], _bias_of(run.tensors)
+    out, bias = run.tensors["out"], _bias_of(run.tensors) if mask is not None else None
     with role("p2p"):
         rotater.close([out, run.inner.lse])
     saved = [run.tensors["q"], run.tensors["k"], run.tensors["v"], run.inner.saved_out, run.inner.lse]
-    return out, [*saved, *(x for x in (bias, docs) if x is not None), rotater.token]
+    return _unpadded(plan, out), [*saved, *(x for x in (bias, docs) if x is not None), rotater.token]
+
+
+def _key_bias_rows(plan: SitePlan, mask: torch.Tensor, keys: int) -> torch.Tensor:
+    """A key bias ``(B|1, H|1, keys)`` as every query head's one-wide rows ``(B, H, keys, 1)``."""
+    return mask.to(plan.dtype).expand(plan.batch, plan.hq, keys).unsqueeze(-1)
+
+
+def _heads_at_hand(plan: SitePlan, qkv: tuple, mask, docs) -> tuple[dict, torch.Tensor | None, torch.Tensor]:
+    """Replicated mode: this rank's heads' shard of q, k, v and of the key bias, taken from the
+    whole inputs, padded first as one process would pad them (Note [Padding the sequence]);
+    the padded document ids; the probe of query values for the output's gather."""
+    tensors = dict(zip("qkv", _padded(plan, *qkv)))
+    probe = _probe(plan, tensors["q"])
+    mask = _padded_keys(plan, qkv[0], mask)
+    if mask is not None:
+        tensors["bias"] = _key_bias_rows(plan, mask, plan.n)
+    docs = None if docs is None else _padded(plan, docs)[0]
+    return {name: _own_heads(plan, name, x) for name, x in tensors.items()}, docs, probe
 
 
 def _bias_of(tensors: dict) -> torch.Tensor | None:
-    """The key bias ``(B, H / P, N)`` of an all-to-all call's heads, once exchanged."""
+    """The key bias ``(B, H / a2a, N a2a / P)`` of an exchanging call's heads."""
     return tensors["bias"].squeeze(-1) if "bias" in tensors else None
 
 
 def _exchanged_backward(plan: SitePlan, dout, saved: tuple, bias, docs, token):
-    """``site_backward`` of an all-to-all site: ``saved`` (q, k, v, out, lse) and ``bias`` as
+    """``site_backward`` of an exchanging site: ``saved`` (q, k, v, out, lse) and ``bias`` as
     its forward saved them."""
     inner = plan.inner
     q, k, v, out, lse = saved
     with role("p2p"):
         rotater = Rotater.resume(plan.group_name, token)
+    heads = bias
+    if plan.replicated:
+        dout = _own_heads(plan, "dout", _padded(plan, dout)[0])
+        if bias is None and inner.has_mask:  # the padded keys' bias alone, made again
+            heads = _bias_of({"bias": _own_heads(plan, "bias", _key_bias_rows(plan, _padded_keys(plan, dout, None), plan.n))})
     run = _Exchanged(
         plan, rotater, {"dout": dout},
-        lambda t: _Backward(
-            inner, rotater, _Inputs.take(inner, (q, k, v), bias, docs, t["dout"]), out, lse, None
-        ),
+        lambda t: _Backward(inner, rotater, _Inputs.take(inner, (q, k, v), heads, docs, t["dout"]), out, lse, None),
     )  # fmt: skip
     for step in build(plan, "backward").steps:
         run.run(step)
-    grads = [run.tensors[name] for name in ("dq", "dk", "dv")]
+    grads = [_unpadded(plan, run.tensors[name]) for name in ("dq", "dk", "dv")]
     with role("p2p"):
         rotater.close(grads)
     return (*grads, *(None for x in (bias, docs, token) if x is not None))

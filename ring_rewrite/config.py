@@ -63,8 +63,7 @@ class RingDilatedConfig:
             all-to-all turns the shards of the sequence into shards of the heads, each rank
             attends the whole sequence for ``H / P`` heads, and a second one turns the output
             back: Note [Heads across ranks]) or ``"hybrid"`` (all-to-alls within groups of
-            ``a2a_ranks`` consecutive ranks, a ring across the groups); both need
-            ``sharding="sharded"``. Default: ``"ring"``.
+            ``a2a_ranks`` consecutive ranks, a ring across the groups). Default: ``"ring"``.
         a2a_ranks (int, optional): ranks in each all-to-all group of ``comm="hybrid"``; it
             must divide the group's ranks. Default: ``None``.
         compiler (str): what lowers the rewritten graph: ``"inductor"``, or ``"aot_eager"`` /
@@ -198,10 +197,6 @@ class RingDilatedConfig:
             raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {self.layout!r}")
         if self.comm not in ("ring", "all_to_all", "hybrid"):
             raise ValueError(f"comm must be 'ring', 'all_to_all' or 'hybrid', got {self.comm!r}")
-        if self.comm != "ring" and self.sharding != "sharded":
-            raise ValueError(
-                f"comm={self.comm!r} needs sharding='sharded' (each rank holds its shard of the sequence)"
-            )
         if (self.comm == "hybrid") != (self.a2a_ranks is not None):
             raise ValueError(
                 f"a2a_ranks (ranks in each all-to-all group) goes with comm='hybrid' and only with it; "

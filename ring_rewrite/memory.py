@@ -79,13 +79,16 @@ def site_memory(plan: SitePlan) -> dict[str, int]:
     ``stat_dtype``; q, k, v are the inputs'). ``peak``: the most the site holds at once beyond
     its inputs, forward or backward.
     """
-    sizes = plan.inner if plan.exchanged else plan  # an all-to-all site's blocks are its inner plan's
+    sizes = plan.inner if plan.exchanged else plan  # an exchanging site's blocks are its inner plan's
     out, lse = _site_out(sizes)
-    # An all-to-all site saves its q, k, v as exchanged to heads (Note [Heads across ranks]).
+    # An exchanging site saves its q, k, v for its heads (Note [Heads across ranks]).
     steps = build(plan, "forward", folded=True).steps
     heads = sum(_size(s) for s in steps if isinstance(s, Exchange) and s.to == "heads")
-    forward = _Forward(sizes).walk(_inductor_order(sizes, build(plan, "forward", folded=True)))
-    backward = _Backward(sizes, heads).walk(build(plan, "backward", folded=True).steps)
+    if plan.exchanged and plan.replicated:  # taken from the whole inputs, not exchanged
+        heads = sizes.batch * sizes.n_local * (sizes.hq * sizes.d + sizes.hkv * (sizes.d + sizes.dv))
+        heads *= sizes.dtype.itemsize
+    forward = _Forward(sizes, plan.world).walk(_inductor_order(sizes, build(plan, "forward", folded=True)))
+    backward = _Backward(sizes, heads, plan.world).walk(build(plan, "backward", folded=True).steps)
     return {"saved": out + lse + heads, "peak": max(forward, backward)}
 
 
@@ -108,8 +111,10 @@ class _Walk:
     """Buffers held by name, and the most held at once: a method per step type (``on_`` and
     the step's class name) creates, frees or needs scratch."""
 
-    def __init__(self, plan: SitePlan):
+    def __init__(self, plan: SitePlan, world: int):
         self.plan = plan
+        self.world = world
+        """The ranks a gather receives from: the site's (``plan`` may be an inner plan)."""
         self.held: dict[str, int] = {}
         self.peak = 0
         self.started: set[int] = set()  # ring branches whose blocks ran
@@ -191,7 +196,7 @@ class _Forward(_Walk):
 
     def on_Gather(self, step: Gather) -> None:
         """Every rank's out received, then stacked."""
-        self.scratch(2 * self.plan.world * _site_out(self.plan)[0])
+        self.scratch(2 * self.world * _site_out(self.plan)[0])
 
 
 def _inductor_order(plan: SitePlan, program: Program) -> list[Step]:
@@ -215,8 +220,8 @@ def _inductor_order(plan: SitePlan, program: Program) -> list[Step]:
 
 
 class _Backward(_Walk):
-    def __init__(self, plan: SitePlan, saved: int = 0):
-        super().__init__(plan)
+    def __init__(self, plan: SitePlan, saved: int, world: int):
+        super().__init__(plan, world)
         item, _, stat = _itemsizes(plan)
         rows, kv_rows = plan.batch * plan.hq * plan.n_local, plan.batch * plan.hkv * plan.n_local
         self.grads = [rows * plan.d * item, kv_rows * plan.d * item, kv_rows * plan.dv * item]
@@ -337,8 +342,8 @@ class _Backward(_Walk):
         out = _site_out(plan)[0]
         for name in [n for n in self.held if n != "saved"]:
             self.free(name)
-        self.hold("whole", plan.world * (out + sum(self.grads)))
-        self.scratch(2 * plan.world * max(self.grads))
+        self.hold("whole", self.world * (out + sum(self.grads)))
+        self.scratch(2 * self.world * max(self.grads))
 
 
 # ---- sizes ----------------------------------------------------------------------------------

@@ -486,9 +486,13 @@ def _exchanged(plan: SitePlan, graph: str, folded: bool) -> list[Step]:
     [Heads across ranks])."""
     forward = ("q", "k", "v", *(("bias",) if plan.has_mask else ()))  # the key bias: its forward's only
     inputs, results = (forward, ("out",)) if graph == "forward" else (("dout",), ("dq", "dk", "dv"))
+    steps = build(plan.inner, graph, folded=folded).steps
+    if plan.replicated:  # every rank holds its heads' shard already; the results are gathered
+        width = {"out": plan.dv, "dq": plan.d, "dk": plan.d, "dv": plan.dv}
+        return [*steps, *(_gather(plan, j + (graph == "backward"), name, width[name]) for j, name in enumerate(results))]
     first = [_exchange(plan, j, name, "heads") for j, name in enumerate(inputs)]
     last = [_exchange(plan, len(inputs) + j, name, "sequence") for j, name in enumerate(results)]
-    return [*first, *build(plan.inner, graph, folded=folded).steps, *last]
+    return [*first, *steps, *last]
 
 
 def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
@@ -647,8 +651,9 @@ def _start(sent: dict, i: int, branch: Branch, kind: int, step: int, c: int, tim
 
 
 def _gather(plan: SitePlan, index: int, name: str, width: int) -> Gather:
-    heads = plan.hq if name in ("out", "dq") else plan.hkv
-    shape = (plan.batch, heads, plan.n_local, width)
+    sizes = plan.inner if plan.exchanged else plan  # an exchanging site gathers its heads' shards
+    heads = sizes.hq if name in ("out", "dq") else sizes.hkv
+    shape = (plan.batch, heads, sizes.n_local, width)
     item = plan.dtype.itemsize
     sent = math.prod(shape) * item + 8  # the shard and the message's tag
     if index == 0 and plan.batch:  # the probe of query values (``attention._probe``)

@@ -275,8 +275,6 @@ def plan(
     kv_heads = heads if kv_heads is None else kv_heads
 
     def plans(comm: str, a2a: int | None) -> ScalePlan:
-        if comm != "ring" and sharding != "sharded":
-            raise ValueError(f"comm={comm!r} needs sharding='sharded'")
         return ScalePlan(
             tuple(
                 SitePlan.build(

@@ -7,7 +7,7 @@ The rewrite (``passes/rewrite_sdpa.py``) builds a plan per site; the site's prog
 
 Note [Heads across ranks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-With ``comm="all_to_all"`` (sharded mode, more than one rank) a site moves its inputs, not K/V.
+With ``comm="all_to_all"`` (more than one rank) a site moves its inputs, not K/V.
 An all-to-all turns this rank's shard of the sequence for every head into the whole sequence for
 ``H / P`` of the heads (rank ``j`` takes heads ``[j H / P, (j + 1) H / P)``, query and key/value
 heads alike, so GQA's groups stay whole); the rank attends them as one process would
@@ -39,6 +39,13 @@ chain: one header per call, the same deadlines, errors and recovery for the exch
 ring's transfers. A rank sends ``(a2a - 1) / a2a`` of each tensor it exchanges, and its K/V
 shard (``N a2a / P`` tokens of ``H / a2a`` heads: as large as a flat ring's) goes round a ring of
 ``P / a2a`` ranks instead of ``P``.
+
+In replicated mode every rank holds the whole sequence, so nothing is exchanged on the way in:
+a rank takes its heads' shard where it lies (``attention._own_heads``, after padding the whole
+inputs as the ring's replicated mode pads them; the padded keys then come to the inner plan as a
+key bias), and the results (the output; dq, dk, dv) are gathered from every rank
+(``program.Gather``, the replicated ring's gathers, with the probe that the ranks hold the same
+sequence).
 
 Note [Head chunks]
 ~~~~~~~~~~~~~~~~~~
@@ -92,7 +99,7 @@ from .comm.groups import global_ranks
 from .layout import layout_of
 from .schedule import Branch, schedule_branch
 
-__all__ = ["LOCAL_CHUNK_BYTES", "RING_CHUNK_BYTES", "SitePlan"]
+__all__ = ["ExchangeRefused", "LOCAL_CHUNK_BYTES", "RING_CHUNK_BYTES", "SitePlan"]
 
 # A ring branch runs its heads in chunks whose K/V message is at least this large (Note [Head
 # chunks]).
@@ -203,10 +210,13 @@ class SitePlan:
         as rank ``rank // a2a`` of the ring across the groups (``"hybrid"``)."""
         world, a2a = self.world // self.a2a, self.a2a
         members = range(self.rank % a2a, self.world, a2a)  # the ring's ranks, in the group
+        # Replicated mode pads the whole inputs before it takes their shards: the padded keys
+        # then come as a key bias (Note [Padding the sequence]).
+        masked = self.has_mask or bool(self.pad and not self.is_causal)
         return dataclasses.replace(
             self, hq=self.hq // a2a, hkv=self.hkv * self.kv_copies // a2a, world=world, rank=self.rank // a2a,
             group_name=self.group_name if world > 1 else "", ranks=tuple(self.ranks[m] for m in members),
-            comm="ring", a2a=1,
+            comm="ring", a2a=1, sharding="sharded", pad=0, has_mask=masked,
         )  # fmt: skip
 
     @property
@@ -298,17 +308,22 @@ def _a2a_ranks(comm: str, world: int, a2a: int | None) -> int:
     return a2a
 
 
+class ExchangeRefused(ValueError):
+    """An exchanging ``comm`` cannot carry the site (no padding of the sequence would help)."""
+
+
 def _check_exchange(comm: str, hq: int, a2a: int, dropout: float) -> None:
-    """Raise ValueError where an all-to-all of ``a2a`` ranks cannot carry the site (Note [Heads
-    across ranks])."""
+    """Raise ``ExchangeRefused`` where an all-to-all of ``a2a`` ranks cannot carry the site
+    (Note [Heads across ranks])."""
     fix = "use comm='ring'"
     if hq % a2a:
-        raise ValueError(
+        raise ExchangeRefused(
             f"comm={comm!r} splits the heads over {a2a} ranks, but {hq} query heads are "
             f"not a multiple of {a2a}; {fix}"
         )
     if dropout:
-        raise ValueError(f"comm={comm!r} does not carry dropout; {fix}")
+        raise ExchangeRefused(f"comm={comm!r} does not carry dropout; {fix}")
+
 
 
 def _kv_copies(hkv: int, world: int) -> int:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import ring_rewrite
-from ring_rewrite.program import Exchange, build
+from ring_rewrite.program import Exchange, Gather, build
 from ring_rewrite.reference import reference_attention
 from ring_rewrite.report import attention_memory_bytes, bytes_sent
 from ring_rewrite.site_plan import SitePlan
@@ -28,14 +28,16 @@ def _sdpa(q, k, v, *, is_causal):
 
 
 def _case(
-    rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: float, a2a=None
+    rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: float, a2a=None,
+    sharding="sharded", n=N,
 ) -> None:  # fmt: skip
-    """``hq`` (and ``hkv``) heads per rank of an all-to-all group (of ``a2a`` ranks, or all)."""
+    """``hq`` (and ``hkv``) heads per rank of an all-to-all group (of ``a2a`` ranks, or all);
+    in replicated mode every rank holds the whole sequence."""
     g = torch.Generator().manual_seed(7)
     group = a2a or world
-    q, dout = (torch.randn(2, hq * group, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, dout = (torch.randn(2, hq * group, n, D, generator=g, dtype=torch.float64) for _ in range(2))
     kv_heads = round(hkv * group)
-    k, v = (torch.randn(2, kv_heads, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, n, D, generator=g, dtype=torch.float64) for _ in range(2))
     whole = [x.clone().requires_grad_() for x in (q, k, v)]
     shared = (hq * group) // kv_heads  # query heads per kv head
     expected = reference_attention(
@@ -43,9 +45,12 @@ def _case(
         segment_lengths=seg, dilation_rates=rates, is_causal=causal,
     )  # fmt: skip
     expected.backward(dout)
-    local = [ring_rewrite.shard(x.float(), 2, layout=layout).requires_grad_() for x in (q, k, v)]
+    replicated = sharding == "replicated"
+    cut = (lambda x: x) if replicated else (lambda x: ring_rewrite.shard(x, 2, layout=layout))  # noqa: E731
+    whole_of = (lambda x: x) if replicated else (lambda x: ring_rewrite.unshard(x, 2, layout=layout))  # noqa: E731
+    local = [cut(x.float()).requires_grad_() for x in (q, k, v)]
     comm = "all_to_all" if a2a is None else "hybrid"
-    options = dict(sharding="sharded", layout=layout, comm=comm, a2a_ranks=a2a, compiler=compiler, timeout=60)
+    options = dict(sharding=sharding, layout=layout, comm=comm, a2a_ranks=a2a, compiler=compiler, timeout=60)
     if seg is not None:
         options.update(segment_lengths=seg, dilation_rates=rates)
     backend = ring_rewrite.backend(**options)
@@ -53,19 +58,20 @@ def _case(
     counters.clear()
     out = torch.compile(lambda *x: _sdpa(*x, is_causal=causal), backend=backend)(*local)
     sent_forward = counters["ring_rewrite"]["bytes_sent"]
-    out.backward(ring_rewrite.shard(dout.float(), 2, layout=layout))
+    out.backward(cut(dout.float()))
     (record,) = backend.records
     assert record.rewritten and record.plan.exchanged and record.plan.comm == comm, record
     assert record.plan.kv_copies == max(1, group // kv_heads), record.plan
     assert bytes_sent(record.plan) == {"forward": sent_forward, "backward": counters["ring_rewrite"]["bytes_sent"] - sent_forward}
     for graph, names in (("forward", ["q", "k", "v", "out"]), ("backward", ["dout", "dq", "dk", "dv"])):
-        exchanges = [s for s in getattr(record, f"{graph}_program").transfers() if isinstance(s, Exchange)]
-        assert [s.tensor for s in exchanges] == names
-    what = (compiler, layout, seg, rates, causal, world, a2a)
-    got = ring_rewrite.unshard(out.detach(), 2, layout=layout)
-    assert rel_err(got, expected.detach()) < BOUND, what
+        moved = [s for s in getattr(record, f"{graph}_program").transfers() if isinstance(s, (Exchange, Gather))]
+        # Replicated mode takes its heads' shard where it lies and gathers the results.
+        assert [s.tensor for s in moved] == (names[1:] if graph == "backward" else names[3:]) if replicated else names
+    assert record.plan.pad == (-n) % (2 * world), record.plan  # replicated mode pads to cut evenly
+    what = (compiler, layout, seg, rates, causal, world, a2a, sharding, n)
+    assert rel_err(whole_of(out.detach()), expected.detach()) < BOUND, what
     for name, x, ref in zip("qkv", local, whole):
-        assert rel_err(ring_rewrite.unshard(x.grad, 2, layout=layout), ref.grad) < BOUND, (name, *what)
+        assert rel_err(whole_of(x.grad), ref.grad) < BOUND, (name, *what)
 
 
 def _cases(rank: int, world: int, compiler: str) -> None:
@@ -88,6 +94,12 @@ def _refused(rank: int, world: int) -> None:
     )
     with pytest.raises(Exception, match="comm='ring'"):
         compiled(q)
+    # Replicated mode leaves such a site alone, saying why, as any site it cannot rewrite.
+    torch._dynamo.reset()
+    backend = ring_rewrite.backend(sharding="replicated", comm="all_to_all", compiler="aot_eager", timeout=60)
+    torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend=backend)(torch.randn(1, 2 * world + 1, N, D))
+    (record,) = backend.records
+    assert not record.rewritten and "comm='ring'" in record.reason, record
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -118,8 +130,6 @@ def _plan(**fields) -> SitePlan:
 def test_what_the_all_to_all_cannot_carry_is_an_error(fields, match):
     with pytest.raises(ValueError, match=match):
         _plan(**fields)
-    with pytest.raises(ValueError, match="needs sharding='sharded'"):
-        ring_rewrite.RingDilatedConfig(comm="all_to_all")
 
 
 def test_an_all_to_all_site_attends_its_heads_over_the_whole_sequence():
@@ -176,6 +186,31 @@ def _masked(rank: int, world: int, a2a=None) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_masks_and_documents_through_the_all_to_all_match_the_reference(world):
     run_ranks(world, _masked)
+
+
+# ---- replicated mode -----------------------------------------------------------------------------
+
+
+def _replicated(rank: int, world: int, a2a) -> None:
+    """Every rank holds the whole sequence: it takes its heads' shard where it lies, and the
+    results are gathered (no exchange); with GQA, a kv head copied, masks and documents, and a
+    length that does not cut into the shards (padded, the padded keys then a key bias)."""
+    from test_masks import DOCUMENTS, _check, _check_documents
+
+    for layout, case in (("contiguous", CASES[0]), ("zigzag", CASES[2])):
+        _case(rank, world, "inductor", layout, *case, a2a=a2a, sharding="replicated")
+    _case(rank, world, "inductor", "zigzag", [16, 64], [1, 2], False, 1, 1 / (a2a or world), a2a=a2a, sharding="replicated")
+    _case(rank, world, "inductor", "zigzag", None, None, False, 2, 1, a2a=a2a, sharding="replicated", n=N - 2)
+    comm = dict(comm="all_to_all" if a2a is None else "hybrid", a2a=a2a)
+    _check("hf_causal", [16, 64], [1, 2], "inductor", world=world, rank=rank, layout="zigzag", **comm)
+    _check("two_sided", [12, 60], [1, 2], "inductor", world=world, rank=rank, layout="zigzag", n=N - 4, **comm)
+    build, data = DOCUMENTS[0]
+    _check_documents(build, data(2, 64), [16, 64], [1, 2], "inductor", world=world, rank=rank, n=64, **comm)
+
+
+@pytest.mark.parametrize("world, a2a", [(2, None), (4, 2)], ids=["all-to-all", "hybrid"])
+def test_replicated_mode_matches_the_reference_under_inductor(world, a2a):
+    run_ranks(world, _replicated, a2a)
 
 
 # ---- the hybrid: all-to-alls in groups, a ring across them ------------------------------------------

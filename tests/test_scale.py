@@ -134,7 +134,7 @@ def test_memory_walks_the_program():
     late = [s for s in steps if not (isinstance(s, Dilate) and s.branch == rings[1])]
     first = next(j for j, s in enumerate(late) if isinstance(s, Block) and s.branch == rings[1])
     late.insert(first, next(s for s in steps if isinstance(s, Dilate) and s.branch == rings[1]))
-    early, moved = memory._Forward(site).walk(steps), memory._Forward(site).walk(late)
+    early, moved = memory._Forward(site, site.world).walk(steps), memory._Forward(site, site.world).walk(late)
     copies = 2048 // 4 * 8 * (64 + 2 * 64) * 4  # q, k, v of 2,048 rows at rate 4, 8 heads, float32
     assert early - moved == copies
     assert memory.site_memory(site)["peak"] >= early
