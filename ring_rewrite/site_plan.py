@@ -168,11 +168,11 @@ class SitePlan:
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
         pad=0, dropout=0.0, band=None, documents=None, recentred=False, comm="ring", a2a=None,
     ):  # fmt: skip
+        a2a = _a2a_ranks(comm, world, a2a)
+        if a2a > 1:  # first: no padding of the sequence helps here
+            _check_exchange(comm, hq, a2a, dropout)
         if world > 1:
             layout_of(layout).chunk_size(n, world)  # raises where n does not cut evenly
-        a2a = _a2a_ranks(comm, world, a2a)
-        if a2a > 1:
-            _check_exchange(comm, hq, a2a, dropout)
         copies = _kv_copies(hkv, a2a)
         # The branches run over the ring across the all-to-all groups: rank ``rank // a2a`` of
         # ``world // a2a``, whose process-group ranks are those of this rank's place in its group.

@@ -111,11 +111,19 @@ class Case:
     """q, k, v given as ``(B, N, H, D)`` and transposed in the graph, as models do (strided)."""
     offset: float = 0.0
     """q and k share a direction of this length: every score about ``offset**2 * scale``."""
+    comm: str = "ring"
+    """``"all_to_all"``: the ranks exchange the sequence for heads (docs/ring.md, Heads across
+    ranks)."""
 
     @property
     def sharded(self) -> bool:
         """Whether each rank runs the site on its own shard (sharded mode over two ranks)."""
         return self.sharding == "sharded" and self.world > 1
+
+    @property
+    def exchange_refused(self) -> bool:
+        """Whether ``comm="all_to_all"`` cannot carry the site: query heads the ranks cannot split."""
+        return self.comm != "ring" and self.hq % self.world != 0
 
     @property
     def branches(self) -> tuple[tuple[int, int], ...]:
@@ -137,6 +145,8 @@ class Case:
             return "refuse" if self.sharded else "alone"
         if self.sharded and (construction.key_numbers or _geometry_error(self)):
             return "refuse"
+        if self.exchange_refused:
+            return "refuse" if self.sharded else "alone"
         if self.mask == "pos_band" and self.param != 0:
             return "either"  # position values that do not count up by one: a run-time error
         return "rewrite"
@@ -147,9 +157,10 @@ class Case:
         if self.n == 0:
             return ("empty",)
         values = ("do not step by one",) if self.mask == "pos_band" else ()  # the run-time check's
+        exchange = ("comm='ring'",) if self.exchange_refused else ()
         if self.sharded:
-            return (*values, "cannot be rewritten", "branch (w=")
-        return values or ("not a band", "rounded")
+            return (*values, *exchange, "cannot be rewritten", "branch (w=")
+        return (*values, *exchange) or ("not a band", "rounded")
 
     @property
     def refused(self) -> bool:
@@ -165,6 +176,7 @@ class Case:
     def describe(self) -> str:
         """The case in one line."""
         ranks = f"P={self.world}" + (f" {self.sharding}/{self.layout}" if self.world > 1 else "")
+        ranks += f" {self.comm}" if self.comm != "ring" else ""
         heads = f"Hq{self.hq}/Hkv{self.hkv}" + ("" if self.enable_gqa or self.hq == self.hkv else " (broadcast)")
         config = "exact" if self.segment_lengths is None else f"w={list(self.segment_lengths)} r={list(self.dilation_rates)}"
         mask = self.mask
@@ -187,7 +199,10 @@ class Case:
 def _geometry_error(c: Case) -> bool:
     """Whether sharded mode's shards cannot carry a branch (``schedule_branch`` in
     ``ring_rewrite/schedule.py``): a rate that does not divide a rank's part where the segment
-    does not fit in it, or a segment neither dividing a part nor a multiple of it."""
+    does not fit in it, or a segment neither dividing a part nor a multiple of it. An
+    all-to-all attends the whole sequence on every rank: no branch rings."""
+    if c.comm != "ring":
+        return False
     parts = 2 if c.layout == "zigzag" else 1
     part = c.n // c.world // parts
     for w, r in c.branches:
@@ -474,6 +489,8 @@ def case(seed: int) -> Case:
         segment_lengths=segment_lengths, dilation_rates=dilation_rates, mask=mask, fill=fill, pad=pad, param=param,
         mask_batch=mask_batch, mask_heads=mask_heads, sharp=sharp, nonfinite=None, bnhd=bnhd, offset=offset,
     )  # fmt: skip
+    if world > 1 and rng.random() < 0.35:
+        made = dataclasses.replace(made, comm="all_to_all")
     if nonfinite and made.expect == "rewrite":  # a site left alone is SDPA's business
         made = dataclasses.replace(made, nonfinite=nonfinite)
     return made
@@ -885,7 +902,7 @@ class _Compiled:
 
 
 def _backend(c: Case):
-    options = dict(compiler=c.compiler, sharding=c.sharding, layout=c.layout, timeout=RING_TIMEOUT)
+    options = dict(compiler=c.compiler, sharding=c.sharding, layout=c.layout, comm=c.comm, timeout=RING_TIMEOUT)
     if c.segment_lengths is not None:
         options.update(segment_lengths=list(c.segment_lengths), dilation_rates=list(c.dilation_rates))
     return ring_rewrite.backend(**options)
