@@ -255,10 +255,11 @@ def test_a_hybrid_site_rings_across_its_all_to_all_groups():
 FAULT_TIMEOUT = 3.0  # RingDilatedConfig.timeout here, seconds
 
 
-def _faults(rank: int, world: int, compiler: str) -> None:
+def _faults(rank: int, world: int, compiler: str, a2a=None) -> None:
     """The exchanges fail as the ring's transfers do (docs/ring.md, Faults): a rank whose block
     raises, or that stalls past the timeout, fails the others within the deadline naming the
-    all-to-all; every rank then runs a step equal to the float64 reference, nothing left pending."""
+    all-to-all (in a hybrid, the exchange or the ring's transfer each waits for); every rank
+    then runs a step equal to the float64 reference, nothing left pending."""
     import time
 
     from ring_rewrite.comm.errors import RingOutOfStep, TransferTimeout
@@ -270,7 +271,8 @@ def _faults(rank: int, world: int, compiler: str) -> None:
     whole = [x.clone().requires_grad_() for x in (q, k, v)]
     expected = reference_attention(*whole, is_causal=True)
     expected.backward(dout)
-    backend = ring_rewrite.backend(sharding="sharded", comm="all_to_all", compiler=compiler, timeout=FAULT_TIMEOUT)
+    comm = dict(comm="all_to_all") if a2a is None else dict(comm="hybrid", a2a_ranks=a2a)
+    backend = ring_rewrite.backend(sharding="sharded", compiler=compiler, timeout=FAULT_TIMEOUT, **comm)
     torch._dynamo.reset()
     attend = torch.compile(lambda *x: _sdpa(*x, is_causal=True), backend=backend)
 
@@ -297,22 +299,30 @@ def _faults(rank: int, world: int, compiler: str) -> None:
     if rank == 1:
         with in_block_kernel(lambda: (_ for _ in ()).throw(InjectedFault("block failed"))):
             fails(InjectedFault, "block failed")
-    else:
+    elif a2a is None:
         fails(TransferTimeout, r"transfer site 0, all-to-all 3 at distance 1 \(tag \d+, call \d+\)")
+    else:  # rank 1's group waits for its exchange, the other group for its ring's transfers
+        fails((TransferTimeout, RingOutOfStep), "did not finish within the 3 s timeout|out of step")
     healthy("after an exception inside a block")
     if rank == 1:
         # Late, its exchange pairs with the one the others left (and recovery completes); its
         # backward then finds them out of step, or its transfer times out.
         with in_block_kernel(lambda: time.sleep(FAULT_TIMEOUT + 0.5), times=1):
             fails((TransferTimeout, RingOutOfStep), "did not finish within the 3 s timeout|out of step")
-    else:
+    elif a2a is None:
         fails(TransferTimeout, "did not finish within the 3 s timeout")
+    else:  # the other group finds rank 1's group out of step at its backward, or times out
+        fails((TransferTimeout, RingOutOfStep), "did not finish within the 3 s timeout|out of step")
     healthy("after a late peer")
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 def test_an_exchange_fails_by_name_and_the_next_step_works(compiler):
     run_ranks(2, _faults, compiler)
+
+
+def test_a_hybrid_fails_by_name_and_the_next_step_works():
+    run_ranks(4, _faults, "inductor", 2)
 
 
 def test_kv_heads_that_do_not_split_are_copied_the_fewest_times():
