@@ -311,10 +311,13 @@ class Exchange:
     bytes: int
     message: int
     """One message: a piece and its tag."""
+    peers: tuple[int, ...]
+    """The group ranks of the all-to-all group, this rank among them."""
     times: int = 1
 
     def __str__(self) -> str:
-        return f"exchange  {self.index}  {self.tensor} {_shape(self.shape)} {_DTYPES.get(self.dtype, self.dtype)} to {self.to}"
+        among = f"{self.peers[0]}-{self.peers[-1]}"
+        return f"exchange  {self.index}  {self.tensor} {_shape(self.shape)} {_DTYPES.get(self.dtype, self.dtype)} to {self.to} among {among}"
 
 
 Step = Union[Dilate, Start, Wait, Chunk, Block, Merge, Land, Undilate, Cast, Gather, Exchange]
@@ -504,7 +507,9 @@ def _exchange(plan: SitePlan, index: int, name: str, to: str) -> Exchange:
     width = {"q": plan.d, "k": plan.d, "dq": plan.d, "dk": plan.d, "bias": 1}.get(name, plan.dv)
     shape = (plan.batch, heads, plan.n_local, width)
     piece = math.prod(shape) * plan.dtype.itemsize // plan.a2a
-    return Exchange(index, name, shape, plan.dtype, to, (plan.a2a - 1) * (piece + 8), piece + 8)
+    first = plan.rank // plan.a2a * plan.a2a
+    peers = tuple(range(first, first + plan.a2a))
+    return Exchange(index, name, shape, plan.dtype, to, (plan.a2a - 1) * (piece + 8), piece + 8, peers)
 
 
 # ---- the backward ---------------------------------------------------------------------------

@@ -241,6 +241,7 @@ def test_a_hybrid_site_rings_across_its_all_to_all_groups():
     forward = build(plan, "forward").transfers()
     assert [type(s).__name__ for s in forward] == ["Exchange"] * 3 + ["Start"] * 3 + ["Exchange"]
     assert all(s.send_to == 7 and s.recv_from == 3 for s in forward if not isinstance(s, Exchange))
+    assert all(s.peers == (4, 5) and str(s).endswith("among 4-5") for s in forward if isinstance(s, Exchange))
     shard = 64 * 16 * 4  # one head's shard of 64 tokens, float32; each exchange sends its half
     assert [s.bytes for s in forward if isinstance(s, Exchange)] == [8 * shard // 2 + 8, 4 * shard // 2 + 8, 4 * shard // 2 + 8, 8 * shard // 2 + 8]
     with pytest.raises(ValueError, match="a2a_ranks must divide the 8 ranks, got 3"):
