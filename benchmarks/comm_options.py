@@ -3,7 +3,7 @@
 ranks]), and ``plan()``'s figures of every option for 8 to 512 ranks.
 
     python benchmarks/comm_options.py            # N = 16384 and 32768, exact and LongNet configs
-    python benchmarks/comm_options.py --seq 16384 32768 131072  # LongNet alone past --exact-max
+    python benchmarks/comm_options.py --seq 16384 32768 131072 262144 --check-max 16384
     python benchmarks/comm_options.py --quick    # N = 4096: a smoke run
 
 One causal ``F.scaled_dot_product_attention`` on ``q, k, v`` of ``(1, 16, N/P, 64)`` float32 per
@@ -64,9 +64,12 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     import ring_rewrite
     from ring_rewrite.report import attention_memory_bytes, bytes_sent
 
-    whole = sequence_inputs((BATCH, HEADS, args["seq"], HEAD_DIM), SEED)
-    q, k, v, grad_out = (local(x, "contiguous") for x in whole)
-    del whole
+    if args["reference"] is None:  # unchecked: this rank's shard alone (the whole may not fit 4 times)
+        q, k, v, grad_out = sequence_inputs((BATCH, HEADS, args["seq"] // world, HEAD_DIM), SEED + 1 + rank)
+    else:
+        whole = sequence_inputs((BATCH, HEADS, args["seq"], HEAD_DIM), SEED)
+        q, k, v, grad_out = (local(x, "contiguous") for x in whole)
+        del whole
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     results = {}
     for comm, option in OPTIONS.items():
