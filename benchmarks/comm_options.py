@@ -3,7 +3,7 @@
 ranks]), and ``plan()``'s figures of every option for 8 to 512 ranks.
 
     python benchmarks/comm_options.py            # N = 16384 and 32768, exact and LongNet configs
-    python benchmarks/comm_options.py --seq 16384 32768 131072 262144 --check-max 16384
+    python benchmarks/comm_options.py --seq 4096 16384 32768 65536 --check-max 4096   # the run in README
     python benchmarks/comm_options.py --quick    # N = 4096: a smoke run
 
 One causal ``F.scaled_dot_product_attention`` on ``q, k, v`` of ``(1, 16, N/P, 64)`` float32 per
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                     "allocated MiB": max(g["allocated_bytes"] for g in got) / MIB,
                     "estimate MiB": max(g["estimate_bytes"] for g in got) / MIB,
                 })  # fmt: skip
+                print("   ", {key: round(x, 4) if isinstance(x, float) else x for key, x in rows[-1].items()}, flush=True)
     print()
     print(tabulate(rows, headers="keys", floatfmt=".4g"))
     print(
