@@ -143,7 +143,7 @@ class ScalePlan:
             f"ring_dilated plan: N = {site.n:,} tokens over {site.world} ranks ({site.n_local:,} per rank, "
             f"{site.sharding}, {site.layout}, {self.option}), batch {site.batch}, {site.hq} query / {site.hkv} kv heads "
             f"of {site.d}, {str(site.dtype).removeprefix('torch.')}, causal {site.is_causal}; per rank, "
-            "the most of any rank"
+            "the most of any rank" + _copies(site)
         )
         table = [
             {
@@ -172,6 +172,7 @@ class ScalePlan:
                 lines.append(
                     f"{name} instead: sends {_gib(other.totals['sent forward'])} GiB forward, "
                     f"{_gib(other.totals['sent backward'])} GiB backward; attention peak {_gib(other.totals['peak'])} GiB"
+                    + _copies(other.site)
                 )
             else:
                 lines.append(f"{name} instead: cannot run ({other})")
@@ -187,6 +188,13 @@ class ScalePlan:
 
 def _option(comm: str, a2a: int) -> str:
     return f"comm={comm!r}" + (f", a2a_ranks={a2a}" if comm == "hybrid" else "")
+
+
+def _copies(site: SitePlan) -> str:
+    """What an exchanging option does to kv heads its group cannot split (GQA)."""
+    if site.kv_copies == 1:
+        return ""
+    return f"; kv heads sent in {site.kv_copies} copies ({site.hkv} do not split over {site.a2a} ranks)"
 
 
 def _gib(n: int) -> str:

@@ -176,7 +176,7 @@ class SitePlan:
         copies = _kv_copies(hkv, a2a)
         # The branches run over the ring across the all-to-all groups: rank ``rank // a2a`` of
         # ``world // a2a``, whose process-group ranks are those of this rank's place in its group.
-        peers = tuple(range(rank % a2a, world, a2a)) if 1 < a2a < world else ()
+        peers = tuple(_ring_members(rank, world, a2a)) if 1 < a2a < world else ()
         plans = tuple(
             schedule_branch(
                 w, r, n_global=n, world=world // a2a, rank=rank // a2a, layout=layout, is_causal=is_causal,
@@ -209,13 +209,12 @@ class SitePlan:
         key/value heads with the same branches, over the whole sequence (``"all_to_all"``) or
         as rank ``rank // a2a`` of the ring across the groups (``"hybrid"``)."""
         world, a2a = self.world // self.a2a, self.a2a
-        members = range(self.rank % a2a, self.world, a2a)  # the ring's ranks, in the group
         # Replicated mode pads the whole inputs before it takes their shards: the padded keys
         # then come as a key bias (Note [Padding the sequence]).
         masked = self.has_mask or bool(self.pad and not self.is_causal)
         return dataclasses.replace(
             self, hq=self.hq // a2a, hkv=self.hkv * self.kv_copies // a2a, world=world, rank=self.rank // a2a,
-            group_name=self.group_name if world > 1 else "", ranks=tuple(self.ranks[m] for m in members),
+            group_name=self.group_name if world > 1 else "", ranks=tuple(self.ranks[m] for m in _ring_members(self.rank, self.world, a2a)),
             comm="ring", a2a=1, sharding="sharded", pad=0, has_mask=masked,
         )  # fmt: skip
 
@@ -324,6 +323,12 @@ def _check_exchange(comm: str, hq: int, a2a: int, dropout: float) -> None:
     if dropout:
         raise ExchangeRefused(f"comm={comm!r} does not carry dropout; {fix}")
 
+
+
+def _ring_members(rank: int, world: int, a2a: int) -> range:
+    """The ranks (of the site's group) of the ring across all-to-all groups of ``a2a`` that
+    ``rank`` runs in: those in its place of every group."""
+    return range(rank % a2a, world, a2a)
 
 
 def _kv_copies(hkv: int, world: int) -> int:

@@ -162,6 +162,9 @@ def test_a_plan_says_what_every_other_comm_would_send():
     assert hybrid.totals["sent backward"] == exchanged * 3 // 4 + tags + 3 * ring // 7
     assert "comm='all_to_all' instead: sends" in str(p) and p.least_sent == "comm='all_to_all'"
     assert str(p).endswith("sends least: comm='all_to_all'")
-    refused = dict(ring_rewrite.plan(n, 32, heads=heads, kv_heads=kv, head_dim=d).alternatives)
+    wide = ring_rewrite.plan(n, 32, heads=heads, kv_heads=kv, head_dim=d)
+    refused = dict(wide.alternatives)
     assert "not a multiple of 32" in refused["comm='all_to_all'"]
-    assert isinstance(refused["comm='hybrid', a2a_ranks=16"], ring_rewrite.ScalePlan)
+    assert refused["comm='hybrid', a2a_ranks=16"].site.kv_copies == 2  # 8 kv heads, groups of 16
+    assert "a2a_ranks=16 instead: sends" in str(wide) and "kv heads sent in 2 copies (8 do not split over 16 ranks)" in str(wide)
+    assert "copies" not in str(p).split("\n")[0]  # the ring sends each kv head once
