@@ -1,15 +1,18 @@
 """Padding to a length bucket costs nothing: a step at a length between powers of two, compiled
 once per bucket, against the same step compiled for exactly that length.
 
-    python benchmarks/lengths.py            # N = 4,097 .. 8,192, exact and LongNet configs
+    python benchmarks/lengths.py            # N = 4,097 .. 8,192, exact and LongNet configs, both sites
     python benchmarks/lengths.py --quick    # N = 257 .. 512: a smoke run
+    python benchmarks/lengths.py --lengths 32769 40000 49152 56000 65536 --configs longnet   # near 32k
 
-One causal site, ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``(1, 8, N, 64)``
-float32, forward and backward, inductor, one process. Per config two compiled functions:
+One site on ``(1, 8, N, 64)`` float32, forward and backward, inductor, one process: ``causal``,
+``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, or ``padded``, a dense causal mask
+with the last ``N / 16`` keys masked, built from a keep-mask ``(1, N)`` as transformers builds
+one for a row of a padded batch. Per config and site two compiled functions:
 
 * ``bucketed``: ``dynamic=True``, the length a symbol; the ``length_buckets`` pass pads it to its
-  power-of-two bucket, and the site's local branches compute only the real rows (Note [Padding to
-  a bucket]): one graph per bucket;
+  power-of-two bucket (the mask rebuilt at the bucket), and the site's blocks compute only the
+  real rows (Note [Padding to a bucket]): one graph per bucket;
 * ``specialised``: ``dynamic=False``, one graph per length, no padding.
 
 At each length the two run interleaved, a warm-up step each (the specialised one compiles there)
@@ -63,11 +66,19 @@ CONFIGS = {  # name: (segment_lengths, dilation_rates); None is exact attention
     "exact": None,
     "longnet": ([1024, 4096, 16384], [1, 4, 16]),
 }
+MASKS = ("causal", "padded")  # is_causal; or a dense causal mask with the keys of a padded row masked
+PADDED = 16  # a padded row's last N / PADDED keys are masked
 QUICK_DIVISOR = 32  # --quick: LongNet segments 32, 128, 512
 
 
-def _site(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def _site(q, k, v, keep=None):
+    """Causal attention; with ``keep (B, N)``, the keys it masks masked too, by a dense mask as
+    transformers builds one for a padded batch."""
+    if keep is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    n = q.shape[2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal[None, None] & keep[:, None, None, :])
 
 
 def _functions(config):
@@ -75,11 +86,11 @@ def _functions(config):
     that dynamo keeps their graphs apart."""
     options = {} if config is None else {"segment_lengths": config[0], "dilation_rates": config[1]}
 
-    def bucketed(q, k, v):
-        return _site(q, k, v)
+    def bucketed(*args):
+        return _site(*args)
 
-    def specialised(q, k, v):
-        return _site(q, k, v)
+    def specialised(*args):
+        return _site(*args)
 
     return {
         "bucketed": torch.compile(bucketed, backend="ring_dilated", options=options, dynamic=True),
@@ -87,24 +98,30 @@ def _functions(config):
     }
 
 
-def _inputs(n: int, seed: int = 0):
+def _inputs(n: int, padded: bool, seed: int = 0):
+    """``q, k, v`` (leaves), ``dout`` and, ``padded``, the keep-mask ``(1, n)`` of a row padded
+    by ``n // PADDED`` tokens."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(1, HEADS, n, HEAD_DIM, generator=g) for _ in range(4))
-    return [x.requires_grad_() for x in (q, k, v)], dout
+    keep = []
+    if padded:
+        keep = [torch.ones(1, n, dtype=torch.bool)]
+        keep[0][:, n - n // PADDED :] = False
+    return [x.requires_grad_() for x in (q, k, v)], dout, keep
 
 
-def _step(fn, leaves, dout):
-    out = fn(*leaves)
+def _step(fn, leaves, dout, keep):
+    out = fn(*leaves, *keep)
     grads = torch.autograd.grad(out, leaves, dout)
     return [out.detach(), *grads]
 
 
-def measure(config, n: int, functions: dict, graphs: dict) -> dict:
+def measure(n: int, padded: bool, functions: dict, graphs: dict) -> dict:
     """One length: time, peak rise and the check, bucketed against specialised, and dense SDPA."""
     steps = {**functions, "dense SDPA": _site}
     # NOTE: inputs of their own for each function (the same values): dynamo marks the inputs of
     # a dynamic=True call dynamic, and the specialised function would then compile them so too.
-    inputs = {name: _inputs(n) for name in steps}
+    inputs = {name: _inputs(n, padded) for name in steps}
     results, times = {}, {name: [] for name in steps}
     for name, fn in steps.items():  # the warm-up step: the specialised one compiles here
         before = counters["frames"]["ok"]
@@ -142,7 +159,7 @@ def _plot(rows: dict, path: Path) -> None:
         for key, label in (("bucketed s", "ours, bucketed"), ("specialised s", "ours, specialised"),
                            ("dense SDPA s", "dense SDPA (eager)")):  # fmt: skip
             ax.plot(ns, [r[key] for r in runs], marker="o", label=label)
-        ax.set_title(f"{name}: causal (1, {HEADS}, N, {HEAD_DIM}) float32, forward + backward")
+        ax.set_title(f"{name}: (1, {HEADS}, N, {HEAD_DIM}) float32, forward + backward", fontsize=9)
         ax.set_xlabel("sequence length N")
         ax.set_ylabel("seconds per step")
         ax.legend()
@@ -153,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", help=f"sequence lengths (default {LENGTHS})")
     parser.add_argument("--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, segments / {QUICK_DIVISOR}")
+    parser.add_argument("--masks", nargs="+", choices=MASKS, default=list(MASKS), help="the sites: is_causal, a padded row's dense mask")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--out", type=Path, default=RESULTS / "lengths.json")
     opts = parser.parse_args(argv)
     if not can_measure_memory():
@@ -161,17 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     configs = {
         name: None if c is None else ([w // QUICK_DIVISOR for w in c[0]] if opts.quick else c[0], c[1])
         for name, c in CONFIGS.items()
+        if name in opts.configs
     }
     torch.set_num_threads(THREADS)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(lengths))
     os.environ.setdefault("RING_REWRITE_CPU_KERNEL", "ours")  # no kernel measurement inside a timed step
     record_machine = machine(threads=THREADS)
     runs, graphs = {}, {}
-    for name, config in configs.items():
-        print(f"{name}: {config or 'exact attention'}", flush=True)
-        functions = _functions(config)
-        graphs[name] = dict.fromkeys(functions, 0)
-        runs[name] = [measure(config, n, functions, graphs[name]) for n in lengths]
+    for config_name, config in configs.items():
+        for mask in opts.masks:
+            name = f"{config_name}, {mask}"
+            print(f"{name}: {config or 'exact attention'}", flush=True)
+            torch._dynamo.reset()  # the functions' code objects are the same for every site
+            functions = _functions(config)
+            graphs[name] = dict.fromkeys(functions, 0)
+            runs[name] = [measure(n, mask == "padded", functions, graphs[name]) for n in lengths]
     table = [
         {"config": name, **{k: v for k, v in r.items() if k != "times_s"}} for name, rs in runs.items() for r in rs
     ]
@@ -198,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "benchmark": "lengths",
         "machine": record_machine,
-        "shape": {"heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "is_causal": True},
+        "shape": {"heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "is_causal": True, "padded": f"N // {PADDED} keys"},
         "configs": {name: c for name, c in configs.items()},
         "runs": runs,
         "graphs": graphs,

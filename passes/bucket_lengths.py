@@ -42,17 +42,26 @@ a power of two would cost the next power's whole attention. So the padded SDPA n
 graph node of ``s0`` (meta ``REAL``) and ``rewrite_sdpa`` gives the site the count as a 0-d
 tensor input (``real``) in one process. Its backward takes the rows past ``s0`` as dead (their
 lse ``+inf``): their gradient is 0 anyway, but a padded query of zeros meeting an infinite key
-scores ``0 * inf = NaN``, which a live row would add to every key it reaches. A causal site
-without a mask keeps its real length: its local branches run their kernel on the real rows only: per branch the segments that
-hold real positions, the last cut to each head's real rows (``ops.kernel_calls``; a head's real
-rows are a prefix of its dilated sequence, ``BranchLayout.real_rows``). Causal rows attend no
-later key, so cutting the rows cuts the keys. Where every branch is local and read in place
-(float32 on CPU), no row past ``s0`` is read or written at all, and the site takes the unpadded
-q, k, v and returns the unpadded out (``rewrite_sdpa._unpadded_inputs``): the bucket's graph
-then costs what a graph compiled for ``s0`` costs (``benchmarks/lengths.py``). Not yet: sites
-with a mask (their keys past ``s0`` are masked, and computed), ring branches and more than one
-rank, local branches that are gathered (16-bit inputs on CPU, layouts ``BranchLayout.in_place``
-refuses): those compute the bucket.
+scores ``0 * inf = NaN``, which a live row would add to every key it reaches.
+
+The site's blocks compute the real rows only, and the real keys: no real row attends a key
+past ``s0`` (a causal row attends no later key; without ``is_causal`` the padded keys are
+masked, or in a document of their own). A head's real rows are a prefix of its dilated sequence
+(``BranchLayout.real_rows``), so per local branch the segments that hold real positions run,
+the first of them whole and the last cut to its real rows:
+
+* read in place (float32 on CPU, causal, no mask): each head cut to its own real rows
+  (``ops.kernel_calls``); where every branch is, no row past ``s0`` is read or written at all,
+  and the site takes the unpadded q, k, v and returns the unpadded out
+  (``rewrite_sdpa._unpadded_inputs``): the bucket's graph then costs what a graph compiled for
+  ``s0`` costs (``benchmarks/lengths.py``);
+* gathered (a mask, documents, a band, 16-bit inputs on CPU, layouts ``BranchLayout.in_place``
+  refuses): the whole segments in one block call, the last segment's rows up to the most real
+  rows of any head in another (``ops.real_calls``), rows and keys past them left out, their
+  out 0 and lse ``-inf``; the padded copies of q, k, v and the mask stay, linear in the bucket.
+
+Not yet: dropout (its draws are fixed per block, so its blocks compute the bucket), ring
+branches and more than one rank (``real`` reaches the sites of one process only).
 """
 
 from __future__ import annotations

@@ -483,21 +483,22 @@ def _rewrite_site(
             erase_unused(graph, padded)
     if structure is not None:
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
-    if real is None or plan.world != 1 or not (plan.is_causal and plan.local_in_place):
+    if real is None or plan.world != 1 or plan.dropout:
         return None
-    rows = "reads and writes the real rows only" if unpadded is not None else "its in-place branches compute the real rows"
+    rows = "reads and writes the real rows only" if unpadded is not None else "its blocks compute the real rows only"
     return f"a bucket of {plan.n}: {rows}{_computed(plan, real)}"
 
 
 def _computed(plan: SitePlan, real: fx.Node) -> str:
-    """What a bucketed site's local branches in place compute at the length it was compiled for
-    (the hint of its symbolic length), as a share of the bucket's query-key pairs."""
+    """What a bucketed site's local branches compute at the length it was compiled for (the
+    hint of its symbolic length), as a share of the bucket's query-key pairs."""
     n = real.meta.get("example_value")
     n = n.node.hint if isinstance(n, torch.SymInt) else n
     local = [b.layout for b in plan.branches if b.is_local]
-    if not isinstance(n, int) or not plan.local_in_place or not local:
+    if not isinstance(n, int) or not local:
         return ""
-    pairs = [(kernel_pairs(lay, n, plan.is_causal), kernel_pairs(lay, None, plan.is_causal)) for lay in local]
+    count = functools.partial(kernel_pairs, is_causal=plan.is_causal, in_place=plan.local_in_place)
+    pairs = [(count(lay, n), count(lay, None)) for lay in local]
     share = sum(p for p, _ in pairs) / sum(whole for _, whole in pairs)
     return f"; compiled at {n} positions: {share:.0%} of the bucket's query-key pairs"
 

@@ -398,8 +398,8 @@ class _Inputs:
     dout: torch.Tensor | None = None
     real: torch.Tensor | None = None
     """The count of real positions, where the sequence is padded to a length bucket in one
-    process (``site_forward``): a causal site's local branches in place compute only those rows,
-    and the backward takes the rows past it as dead."""
+    process (``site_forward``): the local branches compute only those rows (Note [Padding to a
+    bucket]), and the backward takes the rows past it as dead."""
 
     @classmethod
     def take(cls, plan: SitePlan, qkv: tuple, mask, docs, dout=None, real=None) -> _Inputs:
@@ -518,8 +518,9 @@ class _Forward(_Call):
         with role("attention", branch=i):
             band = _band_args(plan, plan.branches[i], blk, q, self.inputs.docs)
             out, lse = torch.ops.ring_rewrite.block_attention(
-                q, k, v, bias, plan.scale, plan.is_causal, *_drop(plan, self.seed, i), **band, **_own_bias(plan, bias)
-            )
+                q, k, v, bias, plan.scale, plan.is_causal, *_drop(plan, self.seed, i), **band, **_own_bias(plan, bias),
+                **_real_rows(plan, plan.branches[i].layout, self.inputs),
+            )  # fmt: skip
         self.results[i] = (out, lse)
 
     def _in_place(self, blk: Block) -> None:
@@ -584,6 +585,16 @@ class _Forward(_Call):
             # A few query values ride along: the ranks must hold the same sequence.
             gathered = _gather(self.plan, self.rotater, self.out, step.index, _probe(self.plan, self.inputs.q_padded))
             self.gathered = _unpadded(self.plan, gathered)
+
+
+def _real_rows(plan: SitePlan, layout, x: _Inputs) -> dict:
+    """A local branch's block call over the real rows only, where the sequence is padded to a
+    length bucket (``x.real``, Note [Padding to a bucket]): no real row attends a padded key
+    (after it, or masked), so the rows and keys past them are left out. Not with dropout, whose
+    random draws are fixed per block."""
+    if x.real is None or plan.dropout:
+        return {}
+    return {"layout": _fields(layout), "real": x.real}
 
 
 def _real(x: _Inputs) -> list[torch.Tensor]:
@@ -862,7 +873,7 @@ class _Backward(_Call):
             band = _band_args(plan, chunk, blk, q, self.inputs.docs)
             dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
                 dout, q, k, v, out, lse, bias, plan.scale, plan.is_causal, *_drop(plan, self.seed, i), **band,
-                **_own_bias(plan, bias),
+                **_own_bias(plan, bias), **_real_rows(plan, layout, self.inputs),
             )  # fmt: skip
         self.computed[None] += [dq, dk, dv]
         self.local.branch = (layout, dq, dk, dv)

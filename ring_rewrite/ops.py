@@ -24,6 +24,8 @@ and ``dilated_block_backward(dq, dk, dv, dout, q, k, v, out, lse, layout, scale,
 write[, real])`` their backward, adding (with ``write``: writing) the gradients into the site's,
 in place (Note [Local branches in place]); with ``real``, a causal site's
 count of real positions in a sequence padded to a length bucket, only the blocks' real rows.
+``block_attention`` and its backward take ``real`` too, with the ``layout`` of a local branch
+whose rows they hold: they compute its real rows and keys only (``_on_real_rows``).
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls])
 and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back, in place (Note
@@ -85,7 +87,7 @@ from .numerics import mask_floor, stat_dtype
 
 __all__ = [
     "add_rows", "after", "block_attention", "block_attention_backward", "dilate", "dilated_block_attention",
-    "dilated_block_backward", "documents", "kernel_calls", "kernel_pairs", "undilate_add", "write_heads",
+    "dilated_block_backward", "documents", "kernel_calls", "kernel_pairs", "real_calls", "undilate_add", "write_heads",
 ]  # fmt: skip
 
 
@@ -178,7 +180,19 @@ def block_attention(
     qdoc: torch.Tensor | None = None,
     kdoc: torch.Tensor | None = None,
     qbias: torch.Tensor | None = None,
+    layout: list[int] | None = None,
+    real: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if real is not None:
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=stat_dtype(q.dtype))
+        args = dict(q=q, k=k, v=v, bias=bias, qpos=qpos, kpos=kpos, qdoc=qdoc, kdoc=kdoc, qbias=qbias)
+        rest = dict(scale=scale, is_causal=is_causal, dropout_p=dropout_p, seed=seed, block=block, band=band)
+        return _on_real_rows(_block_forward, BranchLayout(*layout), int(real), args, rest, [out, lse])
+    return _block_forward(q, k, v, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias)
+
+
+def _block_forward(q, k, v, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias):
     if band is None and qbias is None:
         return _attend(q, k, v, bias, scale, is_causal, dropout_p, seed, block)
     chunks = _band_chunks(q, k, bias, is_causal, band, qpos, kpos, qdoc, kdoc, qbias)
@@ -209,9 +223,49 @@ BAND_OPEN = -(1 << 62)
 """An open end of a band in the ops' ``band`` argument (a list of ints has no None)."""
 
 
+def _on_real_rows(fn, lay: BranchLayout, real: int, rows: dict, rest: dict, results: list) -> list:
+    """``fn(**rows, **rest)`` over the real rows of a local branch of a sequence padded to a
+    length bucket (Note [Padding to a bucket]), its results written into ``results`` (the
+    kernel layout's rows, left as they are elsewhere): the segments all of whose rows are real
+    in one call, the next one's first rows (the most real rows of any head) in another, no
+    later segment. ``rows`` are the tensors of the kernel layout, cut along their rows (keys
+    for ``bias``, the only dim of ``qpos`` and ``kpos``)."""
+    for call in real_calls(lay, real):
+        first, segments, count = call.first, call.segments, call.rows
+        cut = {name: _segment_rows(x, lay, first, segments, count, _ROW_DIM.get(name, 2)) for name, x in rows.items()}
+        for total, part in zip(results, fn(**cut, **rest)):
+            where = total.unflatten(0, (lay.batch, lay.nseg)).narrow(1, first, segments).narrow(3, 0, count)
+            where.copy_(part.unflatten(0, (lay.batch, segments)))
+    return results
+
+
+def real_calls(lay: BranchLayout, real: int) -> list[KernelCall]:
+    """The block calls of a gathered local branch over the first ``real`` positions
+    (``_on_real_rows``): the segments all of whose rows are real, then the next one's first
+    rows, the most real rows of any head there, every head."""
+    whole, parts = lay.real_rows(real)
+    last = max(parts.values(), default=0)
+    return [KernelCall(0, whole, lay.m)] * bool(whole) + [KernelCall(whole, 1, last)] * bool(last)
+
+
+_ROW_DIM = {"bias": 3, "qpos": 0, "kpos": 0}
+"""Where the rows (keys) lie in a block op's tensors that are not dim 2."""
+
+
+def _segment_rows(x: torch.Tensor | None, lay: BranchLayout, first: int, segments: int, count: int, dim: int):
+    """Segments ``[first, first + segments)`` of ``x`` in a local branch's kernel layout
+    ``(B * nseg, ...)`` (where it is one per segment, not broadcast), their first ``count`` rows
+    along ``dim``."""
+    if x is None:
+        return None
+    if x.dim() > 1 and x.shape[0] == lay.batch * lay.nseg:
+        x = x.unflatten(0, (lay.batch, lay.nseg)).narrow(1, first, segments).flatten(0, 1)
+    return x.narrow(dim, 0, count)
+
+
 @block_attention.register_fake
 def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None,
-      qdoc=None, kdoc=None, qbias=None):  # fmt: skip
+      qdoc=None, kdoc=None, qbias=None, layout=None, real=None):  # fmt: skip
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=stat_dtype(q.dtype))
     return out, lse
@@ -237,7 +291,18 @@ def block_attention_backward(
     qdoc: torch.Tensor | None = None,
     kdoc: torch.Tensor | None = None,
     qbias: torch.Tensor | None = None,
+    layout: list[int] | None = None,
+    real: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if real is not None:
+        args = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, bias=bias, qpos=qpos, kpos=kpos, qdoc=qdoc, kdoc=kdoc, qbias=qbias)
+        rest = dict(scale=scale, is_causal=is_causal, dropout_p=dropout_p, seed=seed, block=block, band=band)
+        grads = [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+        return tuple(_on_real_rows(_block_backward, BranchLayout(*layout), int(real), args, rest, grads))
+    return _block_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias)
+
+
+def _block_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias):
     # A row with nothing to attend has lse = -inf; +inf makes its probabilities exp(s - lse) zero.
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     if band is None and qbias is None:
@@ -266,7 +331,7 @@ def _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p,
 
 @block_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None,
-      kpos=None, qdoc=None, kdoc=None, qbias=None):  # fmt: skip
+      kpos=None, qdoc=None, kdoc=None, qbias=None, layout=None, real=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -392,13 +457,18 @@ def kernel_calls(lay: BranchLayout, real: torch.Tensor | int | None, is_causal: 
     return calls
 
 
-def kernel_pairs(lay: BranchLayout, real: int | None, is_causal: bool) -> int:
-    """Query-key pairs per batch element that ``kernel_calls`` compute (a causal row attends
-    itself and the rows before it)."""
+def kernel_pairs(lay: BranchLayout, real: int | None, is_causal: bool, *, in_place: bool = True) -> int:
+    """Query-key pairs per batch element that a local branch's calls compute: ``kernel_calls``
+    in place, else ``real_calls`` (a causal row attends itself and the rows before it; a call
+    cut to its real rows cuts its keys too)."""
     total = 0
-    for call in kernel_calls(lay, real, is_causal):
+    if in_place:
+        calls = kernel_calls(lay, real, is_causal)
+    else:
+        calls = [KernelCall(0, lay.nseg, lay.m)] if real is None else real_calls(lay, real)
+    for call in calls:
         heads = lay.hq if call.offsets is None else len(lay.kernel_heads(call.offsets, kv=False))
-        pairs = call.rows * (call.rows + 1) // 2 if is_causal else call.rows * lay.m
+        pairs = call.rows * (call.rows + 1) // 2 if is_causal else call.rows * call.rows
         total += call.segments * heads * pairs
     return total
 
@@ -419,8 +489,8 @@ def dilated_block_attention(
     a row of lse ``-inf`` holds none), or with ``write`` written, every position of the layout's
     heads, which then must be all of them (rate 1). ``flash_cpu.c`` reads and writes the rows
     where they lie (``BranchLayout.lattice``), with ``real`` only the real ones (``kernel_calls``;
-    written rows past them are 0 and ``-inf``); elsewhere they are gathered, attended and
-    merged, and written back."""
+    written rows past them are 0 and ``-inf``); elsewhere they are gathered, attended (the real
+    rows only: ``real_calls``) and merged, and written back."""
     lay = BranchLayout(*layout)
     if _in_place(lay, q, k, v, out, lse):
         calls = kernel_calls(lay, real, is_causal)
@@ -435,7 +505,8 @@ def dilated_block_attention(
         return
 
     q_dilated, k_dilated, v_dilated = lay.gather(q), lay.gather(k, kv=True), lay.gather(v, kv=True)
-    out_dilated, lse_dilated = _attend(q_dilated, k_dilated, v_dilated, None, scale, is_causal, 0.0, None, None)
+    cut = {"layout": layout, "real": real} if real is not None and is_causal else {}
+    out_dilated, lse_dilated = block_attention(q_dilated, k_dilated, v_dilated, None, scale, is_causal, **cut)
     if not write:
         running_out, running_lse = lay.gather(out), lay.gather(lse.unsqueeze(-1)).squeeze(-1)
         running_out = torch.where(running_lse.isneginf().unsqueeze(-1), 0.0, running_out)  # holds nothing
@@ -461,7 +532,7 @@ def dilated_block_backward(
     layout's heads, which then must be all of them: rate 1), in place. ``flash_cpu.c`` reads and
     writes the rows where they lie (``BranchLayout.lattice``), with ``real`` only the real ones
     (``kernel_calls``; written gradients past them are 0); elsewhere the rows are gathered, run
-    through the block kernel and added back."""
+    through the block kernel (the real rows only: ``real_calls``) and added back."""
     lay = BranchLayout(*layout)
     operands = (dout, q, k, v, out, lse, dq, dk, dv)
     if _in_place(lay, *operands):
@@ -479,8 +550,9 @@ def dilated_block_backward(
     q_dilated, dout_dilated, out_dilated = (lay.gather(x) for x in (q, dout, out))
     k_dilated, v_dilated = (lay.gather(x, kv=True) for x in (k, v))
     lse_dilated = lay.gather(lse.unsqueeze(-1), fill=float("inf")).squeeze(-1)
+    cut = {"layout": layout, "real": real} if real is not None and is_causal else {}
     grads = block_attention_backward(
-        dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, None, scale, is_causal
+        dout_dilated, q_dilated, k_dilated, v_dilated, out_dilated, lse_dilated, None, scale, is_causal, **cut
     )
     for total, g, kv in zip((dq, dk, dv), grads, (False, True, True)):
         lay.scatter_add(total, g, kv=kv, zero=write)

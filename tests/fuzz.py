@@ -7,7 +7,8 @@ campaign).
 function (causal, a scale, a dilated config, segments longer than ``N``) to the mask (none, a key
 mask given as an input, a construction built in the graph as models write it, one the rewrite must
 refuse, a dense mask given as an input), the dtype, the ranks (``P = 1`` or ``2``, replicated or
-sharded, contiguous or zigzag) and the compiler. ``run(case)`` compiles the site, runs it forward
+sharded, contiguous or zigzag), the compiler and, on one rank, a symbolic length (``dynamic=True``:
+the site padded to its length bucket). ``run(case)`` compiles the site, runs it forward
 and backward, and judges:
 
 * what the backend did, where the case makes it certain: rewritten, left alone with its reason,
@@ -114,6 +115,9 @@ class Case:
     comm: str = "ring"
     """``"all_to_all"``: the ranks exchange the sequence for heads (docs/ring.md, Heads across
     ranks)."""
+    dynamic: bool = False
+    """Compiled with ``dynamic=True``: the length a symbol, so that one rank pads the site to its
+    length bucket and computes the real rows only (docs/semantics.md, Sequence lengths)."""
 
     @property
     def sharded(self) -> bool:
@@ -188,7 +192,7 @@ class Case:
             mask += f"({', '.join(filter(None, parts))})"
         extra = [f"scale={self.scale:g}" if self.scale is not None else "", "causal" if self.causal else "",
                  f"q x{self.sharp:g}" if self.sharp != 1 else "", f"q.k +{self.offset**2:g}" if self.offset else "",
-                 "(B, N, H, D) in" if self.bnhd else "",
+                 "(B, N, H, D) in" if self.bnhd else "", "dynamic" if self.dynamic else "",
                  f"{self.nonfinite[1]} in {self.nonfinite[0]}{list(self.nonfinite[2])}" if self.nonfinite else ""]  # fmt: skip
         return " ".join(filter(None, [
             ranks, self.compiler, self.dtype, f"B{self.batch}", heads, f"N{self.n}", f"D{self.d}/Dv{self.dv}",
@@ -491,6 +495,8 @@ def case(seed: int) -> Case:
     )  # fmt: skip
     if world > 1 and rng.random() < 0.35:
         made = dataclasses.replace(made, comm="all_to_all")
+    if world == 1 and rng.random() < 0.3:
+        made = dataclasses.replace(made, dynamic=True)
     if nonfinite and made.expect == "rewrite":  # a site left alone is SDPA's business
         made = dataclasses.replace(made, nonfinite=nonfinite)
     return made
@@ -912,7 +918,7 @@ def _compiled(c: Case):
     if _Compiled.key != c.key():
         torch._dynamo.reset()
         _Compiled.backend = _backend(c)
-        _Compiled.fn = torch.compile(site(c), backend=_Compiled.backend, fullgraph=True, dynamic=False)
+        _Compiled.fn = torch.compile(site(c), backend=_Compiled.backend, fullgraph=True, dynamic=c.dynamic)
         _Compiled.key = c.key()
     return _Compiled.fn, _Compiled.backend
 

@@ -650,6 +650,80 @@ def test_dense_mask_of_a_new_length_compiles_one_graph_per_bucket(name, compiler
     assert (counts["rewritten"], counts["bucketed"], counts["skipped"]) == (3, 2, 0), dict(counts)
 
 
+def _real_calls(branches, bucket: int, n: int, batch: int, heads: int) -> list[tuple[int, int]]:
+    """The block calls ``(batch x segments, rows)`` of the real rows of each local branch of a
+    sequence of ``n`` padded to ``bucket``: head ``j`` holds positions ``s * seg + j % r + r * i``
+    of segment ``s``; the segments whose rows are all real in one call, the next one's first
+    rows (the most any head holds there) in another."""
+    calls = []
+    for w, r in branches:
+        seg = min(w, bucket)
+        real = [[sum(s * seg + j % r + r * i < n for i in range(seg // r)) for j in range(heads)]
+                for s in range(bucket // seg)]  # fmt: skip
+        whole = next((s for s, rows in enumerate(real) if min(rows) < seg // r), len(real))
+        calls += [(batch * whole, seg // r)] * bool(whole)
+        last = max(real[whole]) if whole < len(real) else 0
+        calls += [(batch, last)] * bool(last)
+    return calls
+
+
+@pytest.mark.parametrize("name, compiler", [("hf-causal", "inductor"), ("hf-encoder", "inductor"), ("hf-packed", "aot_eager")])
+def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch):
+    """A dense mask at a symbolic length, padded to its bucket (Note [Padding to a bucket]): every
+    block call, forward and backward, takes the real rows and keys only (``_real_calls``), and
+    the results equal the float64 reference's at lengths across the bucket."""
+    import ring_rewrite
+    from ring_rewrite import ops
+    from ring_rewrite.reference import reference_attention
+
+    calls = []
+    for kind in ("_attend", "_attend_backward"):
+
+        def spy(*args, _fn=getattr(ops, kind), _kind=kind):
+            q, k = args[:2] if _kind == "_attend" else args[1:3]
+            calls.append((_kind, q.shape[0], q.shape[2], k.shape[2]))
+            return _fn(*args)
+
+        monkeypatch.setattr(ops, kind, spy)
+    build, data = {"hf-causal": (hf_causal, _padding), "hf-encoder": (hf_encoder, _padding), "hf-packed": (hf_packed, _packed)}[name]
+    segs, rates, batch, heads, bucket = [8, 16], [1, 2], 2, 4, 64
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
+
+    def attend(q, k, v, data):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, data))
+
+    compiled = torch.compile(attend, backend=backend, fullgraph=True, dynamic=True)
+    for n in (33, 47, 64):
+        q, k, v = (torch.randn(batch, heads, n, 8, requires_grad=True) for _ in range(3))
+        dout, mask_data = torch.randn(batch, heads, n, 8), data(batch, n)
+        ref = reference_attention(
+            q, k, v, segment_lengths=segs, dilation_rates=rates, key_bias=build(torch.empty(batch, 1, n, 1), mask_data)
+        )
+        expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
+        calls.clear()
+        out = compiled(q, k, v, mask_data)
+        got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
+        errors = [rel_err(a, b) for a, b in zip(got, expected)]
+        assert max(errors) < BOUND, (name, n, errors)
+        want = sorted(_real_calls(zip(segs, rates), bucket, n, batch, heads))
+        for kind in ("_attend", "_attend_backward"):
+            ran = sorted((b, rows) for c, b, rows, keys in calls if c == kind and rows == keys)
+            assert ran == want and len(ran) == sum(c[0] == kind for c in calls), (n, kind, calls)
+    assert torch._dynamo.utils.counters["ring_rewrite"]["bucketed"] == 1
+    # explain() says what share of the bucket's query-key pairs those calls compute at 37.
+    causal = name != "hf-encoder"
+
+    def pairs(calls):
+        return sum(b * (rows * (rows + 1) // 2 if causal else rows * rows) for b, rows in calls)
+
+    share = pairs(_real_calls(zip(segs, rates), bucket, 37, 1, heads)) / pairs(_real_calls(zip(segs, rates), bucket, bucket, 1, heads))
+    q = torch.randn(batch, heads, 37, 8)
+    report = ring_rewrite.explain(attend, q, q, q, data(batch, 37), dynamic=True, segment_lengths=segs, dilation_rates=rates)
+    (record,) = report.records
+    assert record.reason.startswith(f"a bucket of {bucket}: its blocks compute the real rows only"), record.reason
+    assert f"compiled at 37 positions: {share:.0%} of the bucket's" in record.reason, record.reason
+
+
 # ---- ALiBi at length --------------------------------------------------------------------------
 
 
