@@ -3,7 +3,8 @@
 ranks]), and ``plan()``'s figures of every option for 8 to 512 ranks.
 
     python benchmarks/comm_options.py            # N = 16384 and 32768, exact and LongNet configs
-    python benchmarks/comm_options.py --seq 4096 16384 32768 65536 --check-max 4096   # the run in README
+    python benchmarks/comm_options.py --seq 4096 16384 32768 65536 131072 262144 --exact-max 131072 --check-max 4096
+                                                 # the run in benchmarks/README.md
     python benchmarks/comm_options.py --quick    # N = 4096: a smoke run
 
 One causal ``F.scaled_dot_product_attention`` on ``q, k, v`` of ``(1, 16, N/P, 64)`` float32 per
@@ -12,7 +13,9 @@ config and N, the options run in the same spawn of 4 ranks, one after the other:
 (compiles), a step checked against float64 over the whole sequence (every rank raises above
 1e-5; up to ``--check-max``), then a timed step whose bytes sent (``counters["ring_rewrite"]["bytes_sent"]``) must equal
 the plan's (``report.bytes_sent``), and one more under ``torch.profiler`` for the allocator's
-peak, beside the report's estimate. LongNet: segments N/8, N/4, N/2 with rates 1, 2, 4.
+peak, beside the report's estimate. LongNet: segments 1024, 4096, 16384 with rates 1, 4, 16 (as in
+``lengths.py``): a cost linear in N, so it runs to 256k here; the exact config is quadratic and stops
+at ``--exact-max``.
 
 The plan table: ``ring_rewrite.plan`` for 1M and 16M tokens over 8 to 512 ranks, 64 heads of
 128, bfloat16, exact attention: bytes per rank per step of the ring, the all-to-all (or why it
@@ -52,6 +55,7 @@ from _common import (  # noqa: E402
 )
 
 WORLD, BATCH, HEADS, HEAD_DIM = 4, 1, 16, 64
+LONGNET = ([1024, 4096, 16384], [1, 4, 16])  # segment_lengths, dilation_rates
 SEED = 0
 OPTIONS = {"ring": dict(comm="ring"), "all_to_all": dict(comm="all_to_all"), "hybrid 2x2": dict(comm="hybrid", a2a_ranks=2)}
 
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, equal = [], True
     for config in ("exact", "longnet"):
         for n in [n for n in lengths if config == "longnet" or n <= opts.exact_max]:
-            segments, rates = (None, None) if config == "exact" else ([n // 8, n // 4, n // 2], [1, 2, 4])
+            segments, rates = (None, None) if config == "exact" else LONGNET
             expected = None
             if n <= opts.check_max:
                 whole = sequence_inputs((BATCH, HEADS, n, HEAD_DIM), SEED)
