@@ -13,7 +13,7 @@ import torch
 from tabulate import tabulate
 
 from . import cpu_choice, cpu_kernel
-from .site_plan import SitePlan
+from .site_plan import SitePlan, comm_options
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
 from .memory import copies_gradients, site_memory
@@ -201,7 +201,29 @@ class Report:
         head += " (per rank)" if any(r.plan is not None and r.plan.world > 1 for r in self.records) else ""
         kernel = _kernel_line([r.plan for r in self.rewritten if r.plan is not None])
         head += f"\n{kernel}" if kernel else ""
-        return head + "\n" + tabulate(self.rows(), headers="keys", tablefmt="simple")
+        others = [line for r in self.rewritten if r.plan is not None for line in _other_options(r.plan)]
+        return "\n".join([head, tabulate(self.rows(), headers="keys", tablefmt="simple"), *others])
+
+
+def _other_options(plan: SitePlan) -> list[str]:
+    """What a site across ranks would send and hold on this rank under every other ``comm``
+    (Note [Heads across ranks]), or why it cannot run so."""
+    lines = []
+    for comm, a2a in comm_options(plan.world) if plan.world > 1 else ():
+        try:
+            other = plan.with_comm(comm, a2a)
+        except ValueError as error:
+            lines.append(f"site {plan.site}, {comm=} instead: cannot run ({error})")
+            continue
+        if other.option == plan.option:
+            continue
+        sent, mem = bytes_sent(other), attention_memory_bytes(other)
+        lines.append(
+            f"site {plan.site}, {other.option} instead: MiB sent fwd / bwd {_mib(sent['forward'])} / "
+            f"{_mib(sent['backward'])}, MiB saved / peak {_mib(mem['saved'])} / {_mib(mem['peak'])}"
+            + (f", K/V heads x{other.kv_copies}" if other.kv_copies > 1 else "")
+        )
+    return lines
 
 
 def _kernel_line(plans: list[SitePlan]) -> str | None:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from tabulate import tabulate
 
-from .site_plan import SitePlan
+from .site_plan import SitePlan, comm_options, option_name
 from .config import RingDilatedConfig
 from .program import build
 from .report import attention_memory_bytes, branch_bytes_sent, branch_flops, bytes_sent
@@ -78,7 +78,7 @@ class ScalePlan:
     @property
     def option(self) -> str:
         """How the plans share the layer: ``comm='ring'``, ``comm='hybrid', a2a_ranks=2``, ..."""
-        return _option(self.site.comm, self.site.a2a)
+        return self.site.option
 
     @property
     def least_sent(self) -> str:
@@ -184,10 +184,6 @@ class ScalePlan:
                 "saved tensors, one layer's peak; no weights, MLPs or optimizer)"
             )
         return "\n".join(lines)
-
-
-def _option(comm: str, a2a: int) -> str:
-    return f"comm={comm!r}" + (f", a2a_ranks={a2a}" if comm == "hybrid" else "")
 
 
 def _copies(site: SitePlan) -> str:
@@ -297,12 +293,9 @@ def plan(
         )
 
     mine = plans(comm, a2a_ranks)
-    options = [("ring", None), ("all_to_all", None)] + [
-        ("hybrid", a) for a in range(2, world_size) if world_size % a == 0
-    ]  # fmt: skip
     alternatives = []
-    for other, a2a in options if world_size > 1 else ():
-        name = _option(other, a2a)
+    for other, a2a in comm_options(world_size) if world_size > 1 else ():
+        name = option_name(other, a2a)
         if name == mine.option:
             continue
         try:

@@ -99,7 +99,7 @@ from .comm.groups import global_ranks
 from .layout import layout_of
 from .schedule import Branch, schedule_branch
 
-__all__ = ["ExchangeRefused", "LOCAL_CHUNK_BYTES", "RING_CHUNK_BYTES", "SitePlan"]
+__all__ = ["ExchangeRefused", "LOCAL_CHUNK_BYTES", "RING_CHUNK_BYTES", "SitePlan", "comm_options", "option_name"]
 
 # A ring branch runs its heads in chunks whose K/V message is at least this large (Note [Head
 # chunks]).
@@ -191,6 +191,24 @@ class SitePlan:
             world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band, documents,
             recentred and has_mask, comm, a2a,
         )  # fmt: skip
+
+    def with_comm(self, comm: str, a2a: int | None = None) -> SitePlan:
+        """This site as ``comm`` (with ``a2a`` ranks per all-to-all group for ``"hybrid"``) would
+        run it on this rank: what ``explain()`` and ``plan()`` compare. Raises ``ValueError``
+        (``ExchangeRefused``) where the site cannot run so."""
+        return SitePlan.build(
+            site=self.site, batch=self.batch, hq=self.hq, hkv=self.hkv, n=self.n, d=self.d, dv=self.dv,
+            dtype=self.dtype, device=self.device, scale=self.scale, is_causal=self.is_causal, has_mask=self.has_mask,
+            branches=[(b.w, b.r) for b in self.branches], world=self.world, rank=self.rank,
+            group_name=self.group_name, sharding=self.sharding, layout=self.layout, pad=self.pad,
+            dropout=self.dropout, band=self.band, documents=self.documents, recentred=self.recentred, comm=comm,
+            a2a=a2a,
+        )  # fmt: skip
+
+    @property
+    def option(self) -> str:
+        """How the site shares its work: ``comm='ring'``, ``comm='hybrid', a2a_ranks=2``, ..."""
+        return option_name(self.comm, self.a2a)
 
     @property
     def exchanged(self) -> bool:
@@ -323,6 +341,15 @@ def _check_exchange(comm: str, hq: int, a2a: int, dropout: float) -> None:
     if dropout:
         raise ExchangeRefused(f"comm={comm!r} does not carry dropout; {fix}")
 
+
+
+def comm_options(world: int) -> list[tuple[str, int | None]]:
+    """Every ``(comm, a2a_ranks)`` a group of ``world`` ranks can be asked for."""
+    return [("ring", None), ("all_to_all", None)] + [("hybrid", a) for a in range(2, world) if world % a == 0]
+
+
+def option_name(comm: str, a2a: int | None) -> str:
+    return f"comm={comm!r}" + (f", a2a_ranks={a2a}" if comm == "hybrid" else "")
 
 
 def _ring_members(rank: int, world: int, a2a: int) -> range:

@@ -340,3 +340,23 @@ def test_kv_heads_that_do_not_split_are_copied_the_fewest_times():
     assert _plan(hkv=4).kv_copies == 1
     k = next(s for s in build(_plan(hkv=2), "forward").steps if isinstance(s, Exchange) and s.tensor == "k")
     assert k.shape == (1, 4, 64, 16)
+
+
+def test_the_report_says_what_every_other_option_would_send_and_hold():
+    """``with_comm`` builds the plan the other option builds; below its table ``explain()`` gives
+    each other option's bytes and memory on this rank, or why the site cannot run so."""
+    from ring_rewrite.report import _mib, _other_options
+
+    ring = _plan(comm="ring", hkv=2)
+    assert ring.with_comm("all_to_all") == _plan(hkv=2) and ring.with_comm("hybrid", 2) == _plan(hkv=2, comm="hybrid", a2a=2)
+    lines = _other_options(ring)
+    assert [line.split(" instead")[0] for line in lines] == ["site 0, comm='all_to_all'", "site 0, comm='hybrid', a2a_ranks=2"]
+    for line, other in zip(lines, (_plan(hkv=2), _plan(hkv=2, comm="hybrid", a2a=2))):
+        sent, mem = bytes_sent(other), attention_memory_bytes(other)
+        assert f"MiB sent fwd / bwd {_mib(sent['forward'])} / {_mib(sent['backward'])}" in line, line
+        assert f"MiB saved / peak {_mib(mem['saved'])} / {_mib(mem['peak'])}" in line, line
+    assert lines[0].endswith("K/V heads x2") and "K/V heads" not in lines[1]  # 2 kv heads split over 2, not 4
+    refused = _other_options(_plan(comm="ring", hq=6, hkv=6))
+    assert refused[0].startswith("site 0, comm='all_to_all' instead: cannot run (") and "not a multiple of 4" in refused[0]
+    assert refused[1].startswith("site 0, comm='hybrid', a2a_ranks=2 instead: MiB sent")
+    assert _other_options(_plan(comm="ring", world=1, rank=0)) == []
