@@ -3,7 +3,7 @@ once per bucket, against the same step compiled for exactly that length.
 
     python benchmarks/lengths.py            # N = 4,097 .. 8,192, exact and LongNet configs, both sites
     python benchmarks/lengths.py --quick    # N = 257 .. 512: a smoke run
-    python benchmarks/lengths.py --lengths 32769 40000 49152 56000 65536 --configs longnet   # near 32k
+    python benchmarks/lengths.py --lengths 32769 40000 49152 56000 65536 --configs longnet   # past 32k
 
 One site on ``(1, 8, N, 64)`` float32, forward and backward, inductor, one process: ``causal``,
 ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``, or ``padded``, a dense causal mask
@@ -17,7 +17,7 @@ one for a row of a padded batch. Per config and site two compiled functions:
 
 At each length the two run interleaved, a warm-up step each (the specialised one compiles there)
 then ``REPEATS`` timed steps, medians; and dense SDPA, eager (aten's CPU flash kernel), for the
-plot. The peak RSS rise of one step of each is measured after the timed steps. Check: the bucketed
+plot (up to ``--dense-max``). The peak RSS rise of one step of each is measured after the timed steps. Check: the bucketed
 output and gradients equal the specialised ones within 1e-5 (the same function in float32).
 Targets: a bucketed step's time and peak rise within ``TARGET`` of the specialised one's at every
 length. Graphs: the frames dynamo compiled for each function over all lengths.
@@ -116,9 +116,10 @@ def _step(fn, leaves, dout, keep):
     return [out.detach(), *grads]
 
 
-def measure(n: int, padded: bool, functions: dict, graphs: dict) -> dict:
-    """One length: time, peak rise and the check, bucketed against specialised, and dense SDPA."""
-    steps = {**functions, "dense SDPA": _site}
+def measure(n: int, padded: bool, functions: dict, graphs: dict, dense: bool = True) -> dict:
+    """One length: time, peak rise and the check, bucketed against specialised, and (``dense``)
+    dense SDPA."""
+    steps = {**functions, **({"dense SDPA": _site} if dense else {})}
     # NOTE: inputs of their own for each function (the same values): dynamo marks the inputs of
     # a dynamic=True call dynamic, and the specialised function would then compile them so too.
     inputs = {name: _inputs(n, padded) for name in steps}
@@ -141,7 +142,7 @@ def measure(n: int, padded: bool, functions: dict, graphs: dict) -> dict:
         "bucket": 1 << (n - 1).bit_length(),
         "bucketed s": median["bucketed"],
         "specialised s": median["specialised"],
-        "dense SDPA s": median["dense SDPA"],
+        "dense SDPA s": median.get("dense SDPA"),
         "time ratio": median["bucketed"] / median["specialised"],
         "bucketed peak MiB": peaks["bucketed"] / MIB,
         "specialised peak MiB": peaks["specialised"] / MIB,
@@ -155,10 +156,10 @@ def _plot(rows: dict, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4))
     for ax, (name, runs) in zip(axes if len(rows) > 1 else [axes], rows.items()):
-        ns = [r["N"] for r in runs]
         for key, label in (("bucketed s", "ours, bucketed"), ("specialised s", "ours, specialised"),
                            ("dense SDPA s", "dense SDPA (eager)")):  # fmt: skip
-            ax.plot(ns, [r[key] for r in runs], marker="o", label=label)
+            points = [(r["N"], r[key]) for r in runs if r[key] is not None]
+            ax.plot([n for n, _ in points], [t for _, t in points], marker="o", label=label)
         ax.set_title(f"{name}: (1, {HEADS}, N, {HEAD_DIM}) float32, forward + backward", fontsize=9)
         ax.set_xlabel("sequence length N")
         ax.set_ylabel("seconds per step")
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"lengths {QUICK_LENGTHS}, segments / {QUICK_DIVISOR}")
     parser.add_argument("--masks", nargs="+", choices=MASKS, default=list(MASKS), help="the sites: is_causal, a padded row's dense mask")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--dense-max", type=int, default=16384, help="dense SDPA (the plot's third line) up to this N")
     parser.add_argument("--out", type=Path, default=RESULTS / "lengths.json")
     opts = parser.parse_args(argv)
     if not can_measure_memory():
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             torch._dynamo.reset()  # the functions' code objects are the same for every site
             functions = _functions(config)
             graphs[name] = dict.fromkeys(functions, 0)
-            runs[name] = [measure(n, mask == "padded", functions, graphs[name]) for n in lengths]
+            runs[name] = [measure(n, mask == "padded", functions, graphs[name], n <= opts.dense_max) for n in lengths]
     table = [
         {"config": name, **{k: v for k, v in r.items() if k != "times_s"}} for name, rs in runs.items() for r in rs
     ]

@@ -226,8 +226,9 @@ def _emit_structured_mask(graph, structure, q, size, length, index, stack) -> fx
 
 def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, size: int) -> torch.Tensor:
     """The dense mask ``structure`` describes, at ``size`` tokens, the keys past ``length``
-    masked: ``(B|1, H|1, size, size)`` in ``q``'s dtype, built as ``masks.mask_structure`` reads
-    it. ``data`` are the tensors ``structure.data`` names, at ``length`` tokens."""
+    masked: ``(B|1, H|1, size|1, size)``, boolean (additive in ``q``'s dtype with key biases),
+    built as ``masks.mask_structure`` reads it. ``data`` are the tensors ``structure.data``
+    names, at ``length`` tokens."""
     b, h = structure.shape[:2]
     structure = dataclasses.replace(structure, shape=(b, h, length, length))  # the graph's length
     i = torch.arange(size, device=q.device)
@@ -264,4 +265,9 @@ def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, s
         else:  # one more document after the tokens
             docs = keys(docs, (docs.max() + 1).view(1, 1), (b,)).view(b, 1, 1, size)
             allowed = allowed & (docs == docs.transpose(-1, -2))
+    if not structure.biases:
+        # Keys by conjuncts alone (0 or -inf): a boolean mask, so that the rewrite reads a
+        # conjunct again, not an additive key bias to recentre in every block (Note [Recentred
+        # key biases]).
+        return allowed & (bias != float("-inf")).view(b, h, 1, size)
     return torch.where(allowed, 0.0, float("-inf")).to(q.dtype) + bias.view(b, h, 1, size)

@@ -184,11 +184,12 @@ def block_attention(
     real: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if real is not None:
-        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=stat_dtype(q.dtype))
+        results = lambda: [  # noqa: E731
+            q.new_zeros((*q.shape[:-1], v.shape[-1])), q.new_full(q.shape[:-1], float("-inf"), dtype=stat_dtype(q.dtype))
+        ]
         args = dict(q=q, k=k, v=v, bias=bias, qpos=qpos, kpos=kpos, qdoc=qdoc, kdoc=kdoc, qbias=qbias)
         rest = dict(scale=scale, is_causal=is_causal, dropout_p=dropout_p, seed=seed, block=block, band=band)
-        return _on_real_rows(_block_forward, BranchLayout(*layout), int(real), args, rest, [out, lse])
+        return tuple(_on_real_rows(_block_forward, BranchLayout(*layout), int(real), args, rest, results))
     return _block_forward(q, k, v, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias)
 
 
@@ -223,14 +224,18 @@ BAND_OPEN = -(1 << 62)
 """An open end of a band in the ops' ``band`` argument (a list of ints has no None)."""
 
 
-def _on_real_rows(fn, lay: BranchLayout, real: int, rows: dict, rest: dict, results: list) -> list:
+def _on_real_rows(fn, lay: BranchLayout, real: int, rows: dict, rest: dict, make) -> list:
     """``fn(**rows, **rest)`` over the real rows of a local branch of a sequence padded to a
-    length bucket (Note [Padding to a bucket]), its results written into ``results`` (the
-    kernel layout's rows, left as they are elsewhere): the segments all of whose rows are real
-    in one call, the next one's first rows (the most real rows of any head) in another, no
+    length bucket (Note [Padding to a bucket]), its results written into those ``make()`` makes (the
+    kernel layout's rows, left as they are made elsewhere): the segments all of whose rows are
+    real in one call, the next one's first rows (the most real rows of any head) in another, no
     later segment. ``rows`` are the tensors of the kernel layout, cut along their rows (keys
     for ``bias``, the only dim of ``qpos`` and ``kpos``)."""
-    for call in real_calls(lay, real):
+    calls = real_calls(lay, real)
+    if calls == [KernelCall(0, lay.nseg, lay.m)]:  # every row real: no copy
+        return list(fn(**rows, **rest))
+    results = make()
+    for call in calls:
         first, segments, count = call.first, call.segments, call.rows
         cut = {name: _segment_rows(x, lay, first, segments, count, _ROW_DIM.get(name, 2)) for name, x in rows.items()}
         for total, part in zip(results, fn(**cut, **rest)):
@@ -297,7 +302,7 @@ def block_attention_backward(
     if real is not None:
         args = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, bias=bias, qpos=qpos, kpos=kpos, qdoc=qdoc, kdoc=kdoc, qbias=qbias)
         rest = dict(scale=scale, is_causal=is_causal, dropout_p=dropout_p, seed=seed, block=block, band=band)
-        grads = [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]
+        grads = lambda: [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]  # noqa: E731
         return tuple(_on_real_rows(_block_backward, BranchLayout(*layout), int(real), args, rest, grads))
     return _block_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias)
 

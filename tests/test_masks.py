@@ -720,6 +720,7 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
     q = torch.randn(batch, heads, 37, 8)
     report = ring_rewrite.explain(attend, q, q, q, data(batch, 37), dynamic=True, segment_lengths=segs, dilation_rates=rates)
     (record,) = report.records
+    assert not record.plan.recentred  # rebuilt at the bucket, its keys are a conjunct still, no bias to recentre
     assert record.reason.startswith(f"a bucket of {bucket}: its blocks compute the real rows only"), record.reason
     assert f"compiled at 37 positions: {share:.0%} of the bucket's" in record.reason, record.reason
 
