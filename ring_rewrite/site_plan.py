@@ -166,7 +166,7 @@ class SitePlan:
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
-        pad=0, dropout=0.0, band=None, documents=None, recentred=False, comm="ring", a2a=None,
+        pad=0, dropout=0.0, band=None, documents=None, recentred=False, comm="ring", a2a=None, ranks=None,
     ):  # fmt: skip
         a2a = _a2a_ranks(comm, world, a2a)
         if a2a > 1:  # first: no padding of the sequence helps here
@@ -184,7 +184,8 @@ class SitePlan:
             )  # fmt: skip
             for w, r in branches
         )
-        ranks = global_ranks(group_name) if group_name else tuple(range(world))
+        if ranks is None:
+            ranks = global_ranks(group_name) if group_name else tuple(range(world))
         comm = "ring" if a2a == 1 else "all_to_all" if a2a == world else "hybrid"
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
@@ -202,7 +203,7 @@ class SitePlan:
             branches=[(b.w, b.r) for b in self.branches], world=self.world, rank=self.rank,
             group_name=self.group_name, sharding=self.sharding, layout=self.layout, pad=self.pad,
             dropout=self.dropout, band=self.band, documents=self.documents, recentred=self.recentred, comm=comm,
-            a2a=a2a,
+            a2a=a2a, ranks=self.ranks,  # the group's ranks as they were (the group may be gone)
         )  # fmt: skip
 
     @property
