@@ -13,7 +13,7 @@ import torch
 from tabulate import tabulate
 
 from . import cpu_choice, cpu_kernel
-from .site_plan import SitePlan, comm_options
+from .site_plan import SitePlan
 from .backend import RingDilatedBackend
 from .config import RingDilatedConfig
 from .memory import copies_gradients, site_memory
@@ -209,17 +209,13 @@ def _other_options(plan: SitePlan) -> list[str]:
     """What a site across ranks would send and hold on this rank under every other ``comm``
     (Note [Heads across ranks]), or why it cannot run so."""
     lines = []
-    for comm, a2a in comm_options(plan.world) if plan.world > 1 else ():
-        try:
-            other = plan.with_comm(comm, a2a)
-        except ValueError as error:
-            lines.append(f"site {plan.site}, {comm=} instead: cannot run ({error})")
-            continue
-        if other.option == plan.option:
+    for name, other in plan.alternatives():
+        if isinstance(other, str):
+            lines.append(f"site {plan.site}, {name} instead: cannot run ({other})")
             continue
         sent, mem = bytes_sent(other), attention_memory_bytes(other)
         lines.append(
-            f"site {plan.site}, {other.option} instead: MiB sent fwd / bwd {_mib(sent['forward'])} / "
+            f"site {plan.site}, {name} instead: MiB sent fwd / bwd {_mib(sent['forward'])} / "
             f"{_mib(sent['backward'])}, MiB saved / peak {_mib(mem['saved'])} / {_mib(mem['peak'])}"
             + (f", K/V heads x{other.kv_copies}" if other.kv_copies > 1 else "")
         )

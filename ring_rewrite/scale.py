@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from tabulate import tabulate
 
-from .site_plan import SitePlan, comm_options, option_name
+from .site_plan import SitePlan
 from .config import RingDilatedConfig
 from .program import build
 from .report import attention_memory_bytes, branch_bytes_sent, branch_flops, bytes_sent
@@ -278,28 +278,19 @@ def plan(
     )  # fmt: skip
     kv_heads = heads if kv_heads is None else kv_heads
 
-    def plans(comm: str, a2a: int | None) -> ScalePlan:
-        return ScalePlan(
-            tuple(
-                SitePlan.build(
-                    batch=batch, hq=heads, hkv=kv_heads, n=seq_len, d=head_dim, dv=head_dim, dtype=dtype,
-                    device=device, scale=head_dim**-0.5, is_causal=is_causal, has_mask=False,
-                    branches=config.branches(seq_len), world=world_size, rank=rank, sharding=sharding,
-                    layout=layout, comm=comm, a2a=a2a,
-                )  # fmt: skip
-                for rank in range(world_size)
-            ),
-            layers,
-        )
-
-    mine = plans(comm, a2a_ranks)
-    alternatives = []
-    for other, a2a in comm_options(world_size) if world_size > 1 else ():
-        name = option_name(other, a2a)
-        if name == mine.option:
-            continue
-        try:
-            alternatives.append((name, plans(other, a2a)))
-        except ValueError as error:
-            alternatives.append((name, str(error)))
+    mine = ScalePlan(
+        tuple(
+            SitePlan.build(
+                batch=batch, hq=heads, hkv=kv_heads, n=seq_len, d=head_dim, dv=head_dim, dtype=dtype, device=device,
+                scale=head_dim**-0.5, is_causal=is_causal, has_mask=False, branches=config.branches(seq_len),
+                world=world_size, rank=rank, sharding=sharding, layout=layout, comm=comm, a2a=a2a_ranks,
+            )  # fmt: skip
+            for rank in range(world_size)
+        ),
+        layers,
+    )
+    alternatives = [
+        (name, other if isinstance(other, str) else ScalePlan(tuple(p.with_comm(other.comm, other.a2a) for p in mine.plans), layers))
+        for name, other in mine.site.alternatives()
+    ]  # fmt: skip
     return dataclasses.replace(mine, alternatives=tuple(alternatives))

@@ -206,6 +206,20 @@ class SitePlan:
             a2a=a2a, ranks=self.ranks,  # the group's ranks as they were (the group may be gone)
         )  # fmt: skip
 
+    def alternatives(self) -> list[tuple[str, SitePlan | str]]:
+        """This site under every other ``comm`` its group can be asked for (``comm_options``),
+        named as ``option`` names them: its plan on this rank, or why the site cannot run so."""
+        others = []
+        for comm, a2a in comm_options(self.world) if self.world > 1 else ():
+            name = option_name(comm, a2a)
+            if name == self.option:
+                continue
+            try:
+                others.append((name, self.with_comm(comm, a2a)))
+            except ValueError as error:
+                others.append((name, str(error)))
+        return others
+
     @property
     def option(self) -> str:
         """How the site shares its work: ``comm='ring'``, ``comm='hybrid', a2a_ranks=2``, ..."""
