@@ -18,10 +18,10 @@ becomes::
     keep = _key_mask(q, L, n, m)                           # keys [0, n) (and m); none if causal without m
     out = unpadded_rows(sdpa(qp, kp, vp, attn_mask=keep, is_causal=c), n)     # role "bucket"
 
-so every length in ``(L/2, L]`` runs the graph compiled for the first of them. Only where the
-sequence is the site's to cut: replicated mode, or one rank (in sharded mode each rank's shard
-holds fixed global positions). ``RingDilatedConfig(disable_passes=["length_buckets"])``
-specialises instead.
+so every length in ``(L/2, L]`` runs the graph compiled for the first of them, in replicated
+mode and on one rank. In sharded mode each rank pads its own shard, where the site can take that
+(Note [Padding shards to a bucket]); other sharded sites specialise.
+``RingDilatedConfig(disable_passes=["length_buckets"])`` specialises instead.
 
 A dense ``(B|1, H|1, s0, s0)`` mask (transformers builds one for every call with an
 ``attention_mask`` or without a cache, a batch padded to its longest row gives a new ``s0`` each
@@ -60,8 +60,27 @@ the first of them whole and the last cut to its real rows:
   rows of any head in another (``ops.real_calls``), rows and keys past them left out, their
   out 0 and lse ``-inf``; the padded copies of q, k, v and the mask stay, linear in the bucket.
 
-Not yet: dropout (its draws are fixed per block, so its blocks compute the bucket), ring
-branches and more than one rank (``real`` reaches the sites of one process only).
+Not yet: dropout (its draws are fixed per block, so its blocks compute the bucket), and
+replicated mode on more than one rank (its padding comes at the end of the sequence, on the last
+ranks, and is computed).
+
+Note [Padding shards to a bucket]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+In sharded mode each rank holds ``s0`` tokens of the sequence (``2`` parts of ``s0 / 2`` with
+zigzag), and ``s0`` is the symbol. Padding the sequence's end would leave the padding on the last
+ranks and the work on the others; so each rank pads each part of its shard at its end instead,
+to ``L / parts`` rows (``padded_rows``' ``parts``): the site sees a sequence of ``P * L`` with
+the padding inside it, the real tokens in their order. That is the same function only where no
+position is read as a number, so only such sites are padded (``_per_shard``): exact attention on
+the ring (``comm="ring"``, every branch rate 1 over the whole sequence), no dropout, and no mask
+or a mask of a causal band and key conjuncts that read the caller's tensors (a sliding window,
+ALiBi and packed documents read positions; those specialise). Their mask is rebuilt over the
+padded keys (``KEYS``: each rank's keys' values, padding masked, read as the caller's tensors
+are). The site gets the real rows per part as ``real``, every ring block computes only the real
+rows and keys of each part (``ops.block_attention``'s ``part``), and no real query reaches a
+padded key whatever the mask. Every rank must hold the same ``s0``: the count goes into the
+site call's header (``comm/calls.py``, ``site_token``'s ``length``), and ranks that differ raise.
+The transfers carry the padded parts whole.
 """
 
 from __future__ import annotations
@@ -74,20 +93,26 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
+from ring_rewrite.comm.groups import resolve_group
 from ring_rewrite.config import RingDilatedConfig
+from ring_rewrite.layout import LAYOUTS
 
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, propagate_example_values, stamp
-from .find_sdpa import SdpaSite, cross_attention_reason, find_sdpa_sites
-from .masks import MaskStructure, key_mask, key_values, mask_structure
+from .find_sdpa import SdpaSite, cross_attention_reason, find_sdpa_sites, is_caller_input
+from .masks import MaskStructure, key_mask, key_values, mask_structure, sharded_keys_reason
 from .records import records, sharded
 
-__all__ = ["NAME", "REAL", "bucket_lengths", "bucket", "padded_rows", "unpadded_rows"]
+__all__ = ["KEYS", "NAME", "REAL", "bucket_lengths", "bucket", "padded_rows", "unpadded_rows"]
 
 NAME = "length_buckets"
 REAL = "ring_rewrite_real_length"
 """The meta key of a padded causal site's node: the graph node of its real length."""
+KEYS = "ring_rewrite_shard_keys"
+"""The meta key of a rebuilt mask's values over the keys of a padded shard: this rank's keys'
+values of tensors the caller cut along the sequence, padding after each part's (sharded mode
+reads them as it reads the caller's tensors: Note [Padding shards to a bucket])."""
 
 
 def bucket(n: int) -> int:
@@ -97,14 +122,15 @@ def bucket(n: int) -> int:
 
 def bucket_lengths(gm: fx.GraphModule, example_inputs: Any = None, *, config: RingDilatedConfig) -> fx.GraphModule:
     """Pad every site with a symbolic sequence length to its bucket, in place."""
-    if sharded(config):
-        return gm
+    parts = LAYOUTS[config.layout].parts if sharded(config) else None
     changed = 0
     first = len(records(gm))  # the site numbers rewrite_sdpa will give
     for i, site in enumerate(find_sdpa_sites(gm)):
         length = _symbolic_length(site)
+        if length is not None and sharded(config) and not _per_shard(site, *length, config):
+            continue
         if length is not None:
-            _pad_site(gm.graph, site, *length, first + i)
+            _pad_site(gm.graph, site, *length, first + i, parts)
             counters["ring_rewrite"]["bucketed"] += 1
             changed += 1
     if changed:
@@ -146,9 +172,32 @@ def _symbolic_length(site: SdpaSite) -> tuple[torch.SymInt, MaskStructure | None
     return n, None
 
 
+def _per_shard(site: SdpaSite, n: torch.SymInt, structure: MaskStructure | None, config: RingDilatedConfig) -> bool:
+    """Whether a sharded site's shards can each be padded to a bucket (Note [Padding shards to
+    a bucket]): exact attention on the ring, no dropout, and a mask that reads no position
+    (causal, key masks); each shard cut into the layout's parts whole."""
+    world = resolve_group(config.group)[1]
+    size = world * bucket(n.node.hint)
+    exact = all(r == 1 and w >= size for w, r in zip(config.segment_lengths or (), config.dilation_rates or ()))
+    if not exact or config.comm != "ring" or site.dropout_p not in (0, 0.0, None):
+        return False
+    if structure is not None:
+        if structure.documents is not None or structure.positions is not None or structure.reads_key_positions:
+            return False
+        if structure.lo is not None or structure.hi not in (None, 0):
+            return False
+        if sharded_keys_reason(structure, is_caller_input) is not None:
+            return False  # the rewrite raises, naming it
+    # NOTE: guards the graph on the parity of the shard (zigzag cuts it in two).
+    return bool(n % LAYOUTS[config.layout].parts == 0)
+
+
 def _pad_site(
-    graph: fx.Graph, site: SdpaSite, n: torch.SymInt, structure: MaskStructure | None, index: int
+    graph: fx.Graph, site: SdpaSite, n: torch.SymInt, structure: MaskStructure | None, index: int,
+    parts: int | None,
 ) -> None:
+    """Pad ``site`` to its bucket: the sequence's end in one process (``parts`` None), else each
+    of a shard's ``parts`` parts (Note [Padding shards to a bucket])."""
     size = bucket(n.node.hint)
     # NOTE: comparing the symbol guards the graph on its bucket: another length compiles again.
     if not size // 2 < n <= size:
@@ -164,19 +213,19 @@ def _pad_site(
     with graph.inserting_before(node):
         length = call(torch.ops.aten.sym_size.int, site.query, 2)
         propagate_example_values([length])  # the structured mask reads it
-        q, k, v = (call(padded_rows, x, size, length) for x in (site.query, site.key, site.value))
+        q, k, v = (call(padded_rows, x, size, length, parts or 1) for x in (site.query, site.key, site.value))
         mask = site.attn_mask
         if structure is not None:
-            mask = _emit_structured_mask(graph, structure, site.query, size, length, index, node.meta.get("stack_trace"))
-        elif mask is not None or not site.is_causal:
-            mask = call(_key_mask, site.query, size, length, mask)
+            mask = _emit_structured_mask(graph, structure, site.query, size, length, parts or 1, index, node.meta.get("stack_trace"))
+        elif mask is not None or not (site.is_causal or parts):
+            mask = call(_key_mask, site.query, size, length, mask, parts or 1)
         args, kwargs = [q, k, v, *node.args[3:]], dict(node.kwargs)
         if len(args) > 3:
             args[3] = mask
         else:
             kwargs["attn_mask"] = mask
         padded = call(node.target, *args, **kwargs)
-        out = call(unpadded_rows, padded, length)
+        out = call(unpadded_rows, padded, length, parts or 1)
     propagate_example_values(new[1:])
     padded.meta = {**node.meta, "example_value": padded.meta["example_value"]}
     padded.meta[REAL] = length  # what the rewrite knows of its padding (Note [Padding to a bucket])
@@ -190,45 +239,60 @@ def _pad_site(
 # compilers below would guard on that (one graph more for the length L itself).
 
 
-def padded_rows(x: torch.Tensor, size: int, length) -> torch.Tensor:
-    """``x (B, H, length, C)`` with zeros after its tokens: ``(B, H, size, C)``."""
-    positions = torch.arange(size, device=x.device)
-    rows = x.index_select(2, positions.clamp_max(length - 1))
-    return torch.where((positions < length).view(size, 1), rows, 0)
+def _sources(size: int, length, parts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a sequence of ``length`` tokens padded to ``size`` (each of its ``parts``
+    parts at its end): the token it holds (the part's last for padding) and whether it is real."""
+    i = torch.arange(size, device=device)
+    if parts == 1:
+        return i.clamp_max(length - 1), i < length
+    part, real = size // parts, length // parts
+    within = i % part
+    return i // part * real + within.clamp_max(real - 1), within < real
 
 
-def _key_mask(q: torch.Tensor, size: int, length, mask: torch.Tensor | None) -> torch.Tensor:
-    """The keys ``[0, length)`` of ``size``: a keep-mask ``(1, 1, 1, size)``, or the site's
-    key-padding ``mask (.., 1, length)`` with the padded keys masked."""
-    positions = torch.arange(size, device=q.device)
-    keep = (positions < length).view(1, 1, 1, size)
+def padded_rows(x: torch.Tensor, size: int, length, parts: int = 1) -> torch.Tensor:
+    """``x (B, H, length, C)`` with zeros after its tokens, or after each of its ``parts``
+    parts' tokens: ``(B, H, size, C)``."""
+    source, real = _sources(size, length, parts, x.device)
+    return torch.where(real.view(size, 1), x.index_select(2, source), 0)
+
+
+def _key_mask(q: torch.Tensor, size: int, length, mask: torch.Tensor | None, parts: int = 1) -> torch.Tensor:
+    """The real keys of ``size`` (``padded_rows``'s): a keep-mask ``(1, 1, 1, size)``, or the
+    site's key-padding ``mask (.., 1, length)`` with the padded keys masked."""
+    source, real = _sources(size, length, parts, q.device)
+    keep = real.view(1, 1, 1, size)
     if mask is None:
         return keep
-    keys = mask.index_select(-1, positions.clamp_max(length - 1))
+    keys = mask.index_select(-1, source)
     return torch.where(keep, keys, False if mask.dtype == torch.bool else float("-inf"))
 
 
-def unpadded_rows(x: torch.Tensor, length) -> torch.Tensor:
-    """The first ``length`` tokens of ``x`` (dim 2)."""
-    return x.index_select(2, torch.arange(length, device=x.device))
+def unpadded_rows(x: torch.Tensor, length, parts: int = 1) -> torch.Tensor:
+    """The ``length`` real tokens of ``x`` (dim 2), padded as ``padded_rows`` pads."""
+    i = torch.arange(length, device=x.device)
+    if parts > 1:
+        real = length // parts
+        i = i // real * (x.shape[2] // parts) + i % real
+    return x.index_select(2, i)
 
 
-def _emit_structured_mask(graph, structure, q, size, length, index, stack) -> fx.Node:
+def _emit_structured_mask(graph, structure, q, size, length, parts, index, stack) -> fx.Node:
     """``_structured_mask`` as graph nodes of plain torch ops, with example values: the rewrite
     reads the mask back from them (``masks.mask_structure``)."""
     before = set(graph.nodes)
     with role("bucket"):
-        mask = emit(RoleTracer(graph, index, stack), functools.partial(_structured_mask, structure, size=size),
-                    q, length, *structure.data)  # fmt: skip
+        build = functools.partial(_structured_mask, structure, size=size, parts=parts)
+        mask = emit(RoleTracer(graph, index, stack), build, q, length, *structure.data)
     propagate_example_values([n for n in graph.nodes if n not in before])
     return mask
 
 
-def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, size: int) -> torch.Tensor:
-    """The dense mask ``structure`` describes, at ``size`` tokens, the keys past ``length``
-    masked: ``(B|1, H|1, size|1, size)``, boolean (additive in ``q``'s dtype with key biases),
-    built as ``masks.mask_structure`` reads it. ``data`` are the tensors ``structure.data``
-    names, at ``length`` tokens."""
+def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, size: int, parts: int = 1) -> torch.Tensor:
+    """The dense mask ``structure`` describes, at ``size`` tokens, the padded keys (past
+    ``length``, or past each of ``parts`` parts' tokens) masked: ``(B|1, H|1, size|1, size)``,
+    boolean (additive in ``q``'s dtype with key biases), built as ``masks.mask_structure``
+    reads it. ``data`` are the tensors ``structure.data`` names, at ``length`` tokens."""
     b, h = structure.shape[:2]
     structure = dataclasses.replace(structure, shape=(b, h, length, length))  # the graph's length
     i = torch.arange(size, device=q.device)
@@ -236,13 +300,17 @@ def _structured_mask(structure: MaskStructure, q: torch.Tensor, length, *data, s
     # NOTE: a gather from the values followed by ``size`` fills, not a concatenation of
     # ``size - length`` fills: that is empty at ``length == size``, and the compilers would guard
     # on it (one graph more for the length of the bucket itself).
-    pick = torch.where(i < length, i, i + length)
+    source, real = _sources(size, length, parts, q.device)
+    pick = torch.where(real, source, i + length)
 
     def keys(values: torch.Tensor, fill: torch.Tensor, lead: tuple[int, ...] = ()) -> torch.Tensor:
         """``values (*lead|1, length)`` over the keys, then ``fill (*lead|1, size)`` past them:
         ``(*lead, size)``, a tensor the mask reads as data."""
         both = torch.cat([values.expand(*lead, length), fill.expand(*lead, size)], -1)
-        return both.index_select(-1, pick)
+        out = both.index_select(-1, pick)
+        if isinstance(out, fx.Proxy):
+            out.node.meta[KEYS] = True
+        return out
 
     bias = key_mask(structure, q, *data)  # 0 / -inf and key biases
     bias = keys(bias, bias.new_full((1, 1, 1), float("-inf")), (b, h))

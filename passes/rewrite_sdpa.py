@@ -8,9 +8,10 @@ Before::
 After::
 
     bias = <mask to additive key bias (B|1, Hq|1, N)>                  # role "mask", if m
-    token = torch.ops.ring_rewrite.site_token(0, group, variant, timeout)  # role "p2p", if P > 1
+    real = aten.scalar_tensor(s0 // parts, dtype=torch.int64)          # role "bucket", if padded to a bucket
+    token = torch.ops.ring_rewrite.site_token(0, group, variant, timeout[, real])  # role "p2p", if P > 1
     seed = torch.randint(2**62, (), dtype=torch.int64)                      # role "dropout", if p > 0
-    out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias][, token][, seed])
+    out = autograd_function_apply(ring_rewrite_fwd_0, ring_rewrite_bwd_0, q, k, v[, bias][, token][, seed][, real])
 
 ``ring_rewrite_fwd_0`` calls ``invoke_subgraph`` on the site's forward body: per branch the
 ``dilate`` gathers, the ring's transfers and ``block_attention`` nodes (``(out, lse)``), the
@@ -85,7 +86,7 @@ from ring_rewrite.layout import positions as shard_positions
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
-from .bucket_lengths import REAL, padded_rows, unpadded_rows
+from .bucket_lengths import KEYS, REAL, padded_rows, unpadded_rows
 from .find_sdpa import (
     SdpaSite, bind_sdpa, dense_mask, display_shapes, find_sdpa_sites, is_caller_input, is_decode_step,
     local_positions, sdpa_unsupported_reason, sharded_cache_keys, static_strides,
@@ -214,7 +215,7 @@ def _plan(site, structure, config, index, group, world, rank) -> tuple[SitePlan,
         if reason is not None:
             raise ValueError(f"its mask keeps documents apart (doc[p] == doc[t]), but {reason}")
     if structure is not None and structure.has_keys and config.sharding == "sharded" and world > 1:
-        reason = sharded_keys_reason(structure, is_caller_input)
+        reason = sharded_keys_reason(structure, lambda node: is_caller_input(node) or node.meta.get(KEYS, False))
         if reason is not None:
             raise ValueError(f"{reason} ({structure.describe()})")
     build = functools.partial(_build, site, structure, config, index)
@@ -275,6 +276,7 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         dropout=float(site.dropout_p),
         comm=config.comm,
         a2a=config.a2a_ranks,
+        bucketed=sharded and site.node.meta.get(REAL) is not None,
     )
 
 
@@ -390,6 +392,17 @@ def _rewrite_site(
     args = [site.query, site.key, site.value]
     names = ["q", "k", "v"]
     with graph.inserting_before(node):
+        real, count, unpadded = node.meta.get(REAL), None, None
+        if real is not None and _skips_padding(plan):
+            # A sequence padded to its length bucket (in sharded mode each shard's parts): the
+            # blocks skip the padding, and where they read every row in place, the site takes
+            # the unpadded tensors.
+            per_part = real
+            if plan.world > 1:
+                per_part = graph.call_function(operator.floordiv, (real, layout_of(plan.layout).parts))
+                stamp(per_part, index, stack, role="bucket")
+            count = graph.call_function(torch.ops.aten.scalar_tensor.default, (per_part,), {"dtype": torch.int64})
+            stamp(count, index, stack, role="bucket")
         if structure is not None and structure.has_keys:
             # The dense mask's key conjuncts, computed from the tensors it was built from.
             tracer = RoleTracer(graph, index, stack)
@@ -401,7 +414,7 @@ def _rewrite_site(
         if plan.world > 1:
             timeout_ms = round(config.timeout * 1000)
             token = graph.call_function(
-                _SITE_TOKEN, (index, plan.group_name, 0, timeout_ms)  # the variant comes last
+                _SITE_TOKEN, (index, plan.group_name, 0, timeout_ms, count)  # the variant comes last
             )
             stamp(token, index, stack, role="p2p")
         if structure is not None and structure.documents is not None:
@@ -444,13 +457,7 @@ def _rewrite_site(
             stamp(seed, index, stack, role="dropout")
             args.append(seed)
             names.append("seed")
-        real = node.meta.get(REAL)
-        unpadded = None
-        if real is not None and plan.world == 1:
-            # A causal sequence padded to its length bucket: the blocks skip the padding, and
-            # where they read every row in place, the site takes the unpadded tensors.
-            count = graph.call_function(torch.ops.aten.scalar_tensor.default, (real,), {"dtype": torch.int64})
-            stamp(count, index, stack, role="bucket")
+        if count is not None:
             args.append(count)
             names.append("real")
             unpadded = _unpadded_inputs(plan, site)
@@ -483,10 +490,17 @@ def _rewrite_site(
             erase_unused(graph, padded)
     if structure is not None:
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
-    if real is None or plan.world != 1 or plan.dropout:
+    if real is None or not _skips_padding(plan) or plan.dropout:
         return None
     rows = "reads and writes the real rows only" if unpadded is not None else "its blocks compute the real rows only"
     return f"a bucket of {plan.n}: {rows}{_computed(plan, real)}"
+
+
+def _skips_padding(plan: SitePlan) -> bool:
+    """Whether the site's blocks are given the real length of its bucket: in one process, or
+    sharded with each shard padded (``bucket_lengths`` pads a shard only where the ring's
+    blocks can skip it: Note [Padding shards to a bucket])."""
+    return plan.world == 1 or plan.sharding == "sharded"
 
 
 def _computed(plan: SitePlan, real: fx.Node) -> str:
@@ -495,6 +509,9 @@ def _computed(plan: SitePlan, real: fx.Node) -> str:
     n = real.meta.get("example_value")
     n = n.node.hint if isinstance(n, torch.SymInt) else n
     local = [b.layout for b in plan.branches if b.is_local]
+    if isinstance(n, int) and plan.world > 1:  # a ring's blocks: each part's real rows and keys
+        share = (n / plan.n_local) ** 2
+        return f"; compiled at {n} positions a shard: {share:.0%} of the bucket's query-key pairs"
     if not isinstance(n, int) or not local:
         return ""
     count = functools.partial(kernel_pairs, is_causal=plan.is_causal, in_place=plan.local_in_place)

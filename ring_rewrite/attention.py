@@ -150,10 +150,13 @@ def _padded_keys(plan: SitePlan, q: torch.Tensor, mask: torch.Tensor | None):
 
 def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """This rank's saved ``lse`` with the rows of padding at ``+inf``: the plan's (Note [Padding
-    the sequence]) and, in one process, those past ``real`` (a length bucket's, Note [Padding to
-    a bucket]). The backward's blocks take them as dead."""
-    if real is not None:  # one process: the rows are the sequence's
-        lse = lse.masked_fill(torch.arange(lse.shape[-1], device=lse.device) >= real, float("inf"))
+    the sequence]) and a length bucket's, past ``real`` (Note [Padding to a bucket]; in sharded
+    mode past ``real`` in each part of the shard). The backward's blocks take them as dead."""
+    if real is not None:  # one process: the rows are the sequence's; sharded: each part's
+        rows = torch.arange(lse.shape[-1], device=lse.device)
+        if plan.world > 1:
+            rows = rows % (plan.n_local // layout_of(plan.layout).parts)
+        lse = lse.masked_fill(rows >= real, float("inf"))
     if not plan.pad:
         return lse
     rows = torch.arange(plan.n, device=lse.device)
@@ -398,8 +401,9 @@ class _Inputs:
     dout: torch.Tensor | None = None
     real: torch.Tensor | None = None
     """The count of real positions, where the sequence is padded to a length bucket in one
-    process (``site_forward``): the local branches compute only those rows (Note [Padding to a
-    bucket]), and the backward takes the rows past it as dead."""
+    process, or of real rows in each part of a shard padded so (``site_forward``): the blocks
+    compute only those rows (Note [Padding to a bucket]), and the backward takes the rows past
+    it as dead."""
 
     @classmethod
     def take(cls, plan: SitePlan, qkv: tuple, mask, docs, dout=None, real=None) -> _Inputs:
@@ -507,6 +511,7 @@ class _Forward(_Call):
                 *_drop(plan, self.seed, i, blk.chunk, blk.step, blk.index),
                 **band,
                 **_own_bias(plan, own_bias, layout, blk),
+                **_real_parts(plan, layout, self.inputs),
             )
         self.computed.setdefault((i, blk.chunk, blk.step), []).extend([out, lse])
         with role("merge", branch=i, step=blk.step):
@@ -597,6 +602,15 @@ def _real_rows(plan: SitePlan, layout, x: _Inputs) -> dict:
     return {"layout": _fields(layout), "real": x.real}
 
 
+def _real_parts(plan: SitePlan, layout, x: _Inputs) -> dict:
+    """A ring block's call over the real rows only, where each rank's shard is padded per part
+    to a length bucket (``x.real`` real rows a part, Note [Padding to a bucket]): each part of
+    its query rows and keys keeps its first ``x.real``. Not with dropout (as ``_real_rows``)."""
+    if x.real is None or plan.dropout:
+        return {}
+    return {"part": layout.m, "real": x.real}
+
+
 def _real(x: _Inputs) -> list[torch.Tensor]:
     """The in-place ops' optional last argument: a bucketed causal site's count of real
     positions."""
@@ -608,7 +622,8 @@ def site_forward(plan: SitePlan, q, k, v, mask=None, docs=None, token=None, seed
     key bias ``(B|1, Hq|1, N)``, ``token`` (with more than one rank) starts the chain of the
     site's transfers (``comm/calls.py``, ``site_token``), ``seed`` (with dropout) fixes this call's dropout,
     ``real`` (a 0-d int64 tensor) counts the real positions of a sequence padded to a length
-    bucket in one process (Note [Padding to a bucket]). Runs the plan's forward program (Note [The site
+    bucket in one process, or the real rows of each part of a sharded one (Note [Padding to a
+    bucket]). Runs the plan's forward program (Note [The site
     program])."""
     if plan.exchanged:
         return _exchanged_forward(plan, (q, k, v), mask, docs, token)
@@ -768,6 +783,7 @@ class _Backward(_Call):
                 *_drop(plan, self.seed, i, blk.chunk, blk.step, blk.index),
                 **band,
                 **_own_bias(plan, bias, layout, blk),
+                **_real_parts(plan, layout, self.inputs),
             )
         self.computed.setdefault((i, blk.chunk, blk.step), []).extend([dq, dk, dv])
         self.shares.setdefault((i, blk.chunk, blk.step), []).append((blk.k0 * layout.m, dk, dv))

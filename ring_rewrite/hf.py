@@ -72,14 +72,20 @@ def _check_ring_keys(ring: Mapping[str, Any]) -> None:
         )
 
 
-def _config_and_options(ring: Mapping[str, Any], world: int) -> tuple[int, bool, dict[str, Any]]:
+def _config_and_options(ring: Mapping[str, Any], world: int) -> tuple[int, bool | str, dict[str, Any]]:
     """``cp``, ``buckets`` and the backend's fields from ``ring``, checked."""
     cp = ring.get("cp", world)
     if not isinstance(cp, int) or cp < 1 or world % cp:
         raise ValueError(f"RingTrainer: ring['cp'] = {cp!r} must be a positive divisor of the {world} ranks")
     fields = {key: ring[key] for key in _CONFIG_KEYS if key in ring}
     fields.setdefault("layout", "zigzag")  # balances causal work across the ring
-    return cp, bool(ring.get("buckets", True)), fields
+    # Exact attention on the ring buckets each shard in the graph, computing none of its
+    # padding (shard_batch's buckets="shards"); dilated sites read positions, so they pad whole.
+    exact = fields.get("segment_lengths") is None and fields.get("comm", "ring") == "ring"
+    buckets = ring.get("buckets", "shards" if exact else True)
+    if buckets not in (True, False, "shards"):
+        raise ValueError(f"RingTrainer: ring['buckets'] must be True, False or 'shards', got {buckets!r}")
+    return cp, buckets, fields
 
 
 def _check_args(args: transformers.TrainingArguments, compiler: str) -> transformers.TrainingArguments:
@@ -388,8 +394,9 @@ class RingTrainer(_RingMixin, transformers.Trainer):
             ``train_dataset``, ``eval_dataset``, ...). ``args.torch_compile_backend`` may be
             ``"ring_dilated"``; the model's attention must be ``"sdpa"`` or ``"eager"``.
         ring (dict, optional): ``cp`` (the ranks that share a sequence; default: all of
-            them), ``buckets`` (pad lengths to powers of two, one compiled graph per bucket;
-            default ``True``) and any ``RingDilatedConfig`` field but ``group`` and
+            them), ``buckets`` (``shard_batch``'s: one compiled graph per bucket of lengths;
+            default ``"shards"`` for exact attention on the ring, whose graph computes none of
+            a shard's padding, else ``True``) and any ``RingDilatedConfig`` field but ``group`` and
             ``sharding``: ``segment_lengths``, ``dilation_rates``, ``layout`` (default
             ``"zigzag"`` here), ``compiler``, ``strict``, ``timeout``, ``disable_passes``.
             Default: ``None`` (exact ring attention over every rank).

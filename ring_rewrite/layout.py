@@ -270,12 +270,22 @@ def unshard(x: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous"
 #   ``num_items_in_batch``, the labelled tokens of the whole batch, so the ranks' losses (and
 #   gradients) add up to the mean over the whole sequence.
 #
-# The length must be cut into P equal shards (2P chunks for zigzag). ``shard_batch`` pads the end
-# of the sequence up to a bucket: the next power of two (then a multiple of the shards and of
-# ``multiple_of``), so that batches padded to their longest row compile one graph per bucket, not
-# one per length. Padded tokens carry label ``ignore_index`` and are masked as keys: with an
-# ``attention_mask`` it gets zeros there; without one and without ``position_ids`` one is made
-# (ones, then zeros); with ``position_ids`` and no mask (packed sequences, whose documents
+# The length must be cut into P equal shards (2P chunks for zigzag). Batches padded to their
+# longest row come in every length; two ways keep them to one compiled graph per bucket:
+#
+# * ``buckets=True`` pads the end of the sequence up to the next power of two (then a multiple
+#   of the shards and of ``multiple_of``). Any model; the padding is computed.
+# * ``buckets="shards"`` pads only to a multiple of the shards, and the compiled graph pads each
+#   shard to its own bucket, computing none of that padding (Note [Padding shards to a bucket],
+#   ``passes/bucket_lengths.py``): for exact attention on the ring with causal or key-padding
+#   masks. The shard's length is then a symbol (dynamo's automatic dynamic shapes, from the
+#   second length on). A batch with ``position_ids`` (packed documents) is padded as with
+#   ``True``: its documents are not told apart per shard.
+#
+# Padded tokens carry label ``ignore_index`` and are masked as keys: with an ``attention_mask``
+# it gets zeros there; without one and without ``position_ids`` one is made (ones, then zeros;
+# with ``"shards"`` always, so that transformers builds a key mask rather than reading documents
+# from the positions); with ``position_ids`` and no mask (packed sequences, whose documents
 # transformers reads from the positions) the padding's positions restart at 0, a document of
 # its own. Either way no real token attends to a padded one.
 
@@ -286,19 +296,19 @@ def shard_batch(
     group=None,
     layout: str = "contiguous",
     shift_labels: bool = True,
-    buckets: bool = True,
+    buckets: bool | str = True,
     multiple_of: int = 1,
     pad_token_id: int = 0,
     ignore_index: int = -100,
 ) -> dict[str, Any]:
     """This rank's part of a Hugging Face batch, for a model compiled in sharded mode.
 
-    Pads the sequence to a bucket length ``N'``, then cuts every tensor of ``B`` rows and ``N``
+    Pads the sequence to a length ``N'``, then cuts every tensor of ``B`` rows and ``N``
     tokens to this rank's ``N' / P`` tokens along dim 1, and adds what a model cannot derive
     from its shard alone: the global ``position_ids``, labels shifted over the whole sequence,
     and the labelled tokens of the whole batch as the loss's denominator (Note [A batch across
-    ranks]). ``N'`` is the next power of two ``>= N`` with ``buckets`` (else ``N``), rounded up
-    to a multiple of ``P`` (``2P`` for zigzag) and of ``multiple_of``. Padded tokens get
+    ranks]). ``N'`` is the next power of two ``>= N`` with ``buckets=True`` (else ``N``),
+    rounded up to a multiple of ``P`` (``2P`` for zigzag) and of ``multiple_of``. Padded tokens get
     ``pad_token_id``, label ``ignore_index``, and no real token attends to them: an
     ``attention_mask`` gets zeros there; without one and without ``position_ids``, one is made;
     with ``position_ids`` and no mask, the padding's positions restart at 0 (a packed document
@@ -316,8 +326,12 @@ def shard_batch(
         shift_labels: ``labels`` are next-token targets (a causal LM): shift them over the whole
             sequence and pass them as ``shift_labels`` too. False for labels of their own token
             (masked LM, token classification). Default: ``True``.
-        buckets: pad the length up to the next power of two (one compiled graph per bucket);
-            False pads only to a multiple of the shards. Default: ``True``.
+        buckets: ``True``: pad the length up to the next power of two (one compiled graph per
+            bucket, the padding computed); ``"shards"``: pad only to a multiple of the shards
+            and let the compiled graph pad each shard to its bucket, computing none of it (one
+            graph per bucket for exact attention on the ring with causal or key-padding masks;
+            an ``attention_mask`` is always given; a batch with ``position_ids`` is padded as
+            with ``True``); ``False``: pad only to a multiple of the shards. Default: ``True``.
         multiple_of: the padded length is also a multiple of this (a dilated config needs each
             shard to be a multiple of every ring branch's rate). Default: 1.
         pad_token_id: the id of padded ``input_ids``. Default: 0.
@@ -331,7 +345,8 @@ def shard_batch(
 
     Raises:
         ValueError: no ``input_ids`` ``(B, N)`` or ``inputs_embeds`` ``(B, N, D)`` tensor, an
-            unknown ``layout``, or ``multiple_of < 1``.
+            unknown ``layout``, ``buckets`` other than ``True``, ``False`` or ``"shards"``, or
+            ``multiple_of < 1``.
 
     Shapes:
         - ``input_ids``, ``attention_mask``, ``labels``, ``position_ids``: :math:`(B, N)` in,
@@ -360,14 +375,17 @@ def shard_batch(
     pieces = world * LAYOUTS[layout].parts
     if multiple_of < 1:
         raise ValueError(f"shard_batch: multiple_of must be at least 1, got {multiple_of}")
-    length = 1 << max(n - 1, 0).bit_length() if buckets else n
+    if buckets not in (True, False, "shards"):
+        raise ValueError(f"shard_batch: buckets must be True, False or 'shards', got {buckets!r}")
+    positions_given = batch.get("position_ids") is not None
+    per_shard = buckets == "shards" and not positions_given
+    length = 1 << max(n - 1, 0).bit_length() if buckets and not per_shard else n
     step = math.lcm(pieces, multiple_of)
     length = -(-length // step) * step
     pad = length - n
 
     out: dict[str, Any] = {}
     mask = batch.get("attention_mask")
-    positions_given = batch.get("position_ids") is not None
     for key, value in batch.items():
         if not _along(value, b, n):
             out[key] = value
@@ -378,7 +396,7 @@ def shard_batch(
         else:
             value = _pad(value, pad, fill)
         out[key] = value
-    if pad and mask is None and not positions_given:
+    if (pad or per_shard) and mask is None and not positions_given:
         keep = torch.ones(b, length, dtype=torch.long, device=ids.device)
         keep[:, n:] = 0
         out["attention_mask"] = keep

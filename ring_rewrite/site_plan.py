@@ -161,12 +161,16 @@ class SitePlan:
     a2a: int = 1
     """Ranks in each all-to-all group, consecutive ranks of the group: 1 for a ring, ``world``
     for ``"all_to_all"``, in between for ``"hybrid"``."""
+    bucketed: bool = False
+    """Whether each part of a rank's rows is padded to a length bucket (Note [Padding shards to
+    a bucket]): more than half of each part's rows are real, and only they are computed."""
 
     @classmethod
     def build(
         cls, *, site=0, batch, hq, hkv, n, d, dv, dtype, device="cpu", scale, is_causal, has_mask,
         branches, world=1, rank=0, group_name="", sharding="replicated", layout="contiguous",
         pad=0, dropout=0.0, band=None, documents=None, recentred=False, comm="ring", a2a=None, ranks=None,
+        bucketed=False,
     ):  # fmt: skip
         a2a = _a2a_ranks(comm, world, a2a)
         if a2a > 1:  # first: no padding of the sequence helps here
@@ -190,7 +194,7 @@ class SitePlan:
         return cls(
             site, batch, hq, hkv, n, d, dv, dtype, device, scale, is_causal, has_mask,
             world, rank, group_name, sharding, layout, plans, pad, dropout, ranks, band, documents,
-            recentred and has_mask, comm, a2a,
+            recentred and has_mask, comm, a2a, bucketed,
         )  # fmt: skip
 
     def with_comm(self, comm: str, a2a: int | None = None) -> SitePlan:
@@ -273,12 +277,13 @@ class SitePlan:
 
     def head_chunks(self, branch: Branch) -> int:
         """How many head chunks a ring branch runs in, one after another (Note [Head chunks]):
-        the most that divide its dilated kv heads and keep each K/V message >= 1 MiB."""
+        the most that divide its dilated kv heads and keep each K/V message >= 1 MiB (of real
+        rows: half the rows of a bucketed plan's, the fewest it computes)."""
         layout = branch.layout
         if branch.is_local:
             return 1
         message = layout.batch * layout.nseg * layout.kv_heads * layout.m * (self.d + self.dv)
-        message *= self.dtype.itemsize
+        message = message * self.dtype.itemsize // (2 if self.bucketed else 1)
         fits = [g for g in range(1, layout.kv_heads + 1) if layout.kv_heads % g == 0]
         return max(g for g in fits if g == 1 or message // g >= RING_CHUNK_BYTES)
 

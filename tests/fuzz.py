@@ -7,8 +7,9 @@ campaign).
 function (causal, a scale, a dilated config, segments longer than ``N``) to the mask (none, a key
 mask given as an input, a construction built in the graph as models write it, one the rewrite must
 refuse, a dense mask given as an input), the dtype, the ranks (``P = 1`` or ``2``, replicated or
-sharded, contiguous or zigzag), the compiler and, on one rank, a symbolic length (``dynamic=True``:
-the site padded to its length bucket). ``run(case)`` compiles the site, runs it forward
+sharded, contiguous or zigzag), the compiler and, on one rank or sharded on the ring, a symbolic
+length (``dynamic=True``: the site padded to its length bucket, or each shard to its own).
+``run(case)`` compiles the site, runs it forward
 and backward, and judges:
 
 * what the backend did, where the case makes it certain: rewritten, left alone with its reason,
@@ -117,7 +118,8 @@ class Case:
     ranks)."""
     dynamic: bool = False
     """Compiled with ``dynamic=True``: the length a symbol, so that one rank pads the site to its
-    length bucket and computes the real rows only (docs/semantics.md, Sequence lengths)."""
+    length bucket, and sharded ranks each shard (where the site reads no position), and the
+    blocks compute the real rows only (docs/semantics.md, Sequence lengths)."""
 
     @property
     def sharded(self) -> bool:
@@ -495,7 +497,7 @@ def case(seed: int) -> Case:
     )  # fmt: skip
     if world > 1 and rng.random() < 0.35:
         made = dataclasses.replace(made, comm="all_to_all")
-    if world == 1 and rng.random() < 0.3:
+    if (world == 1 or sharded and made.comm == "ring") and rng.random() < 0.3:
         made = dataclasses.replace(made, dynamic=True)
     if nonfinite and made.expect == "rewrite":  # a site left alone is SDPA's business
         made = dataclasses.replace(made, nonfinite=nonfinite)
@@ -1109,19 +1111,14 @@ def run_pairs(cases: Sequence[Case], on_result: Callable[[Result], None] | None 
     """Cases on two gloo ranks, in spawns of two processes that each run many; results in the
     order of ``cases``. A spawn that dies or stalls fails the case it was running, and the
     cases after it run in a new spawn."""
-    import torch.multiprocessing as mp
-
-    from ranks import _entry, free_port
+    from ranks import start_ranks
 
     order = _by_graph(cases)
     results: list[Result | None] = [None] * len(cases)
     while order:
         todo = [cases[i] for i in order]
         with tempfile.TemporaryDirectory(prefix="fuzz-") as folder:
-            context = mp.start_processes(
-                _entry, args=(2, free_port(), _rank_main, (todo, folder), "gloo"), nprocs=2, join=False,
-                start_method="spawn",
-            )  # fmt: skip
+            context = start_ranks(2, _rank_main, (todo, folder), join=False)
             died, last, seen = "", time.monotonic(), 0
             while True:
                 try:

@@ -460,8 +460,8 @@ def test_checked_transfers_catch_a_buffer_written_in_flight(monkeypatch):
 
 def _dynamic_lengths(rank, world):
     """Replicated mode compiles one graph per bucket of lengths (passes/bucket_lengths.py),
-    padded inside and, here, padded again to what the ranks can share; sharded mode one per
-    length (its shards hold fixed positions)."""
+    padded inside and, here, padded again to what the ranks can share; a dilated config in
+    sharded mode one per length (its shards hold fixed positions)."""
     import ring_rewrite
     from ring_rewrite.reference import reference_attention
 
@@ -489,3 +489,85 @@ def _dynamic_lengths(rank, world):
 
 def test_dynamic_lengths_across_ranks():
     run_ranks(2, _dynamic_lengths)
+
+
+# ---- sharded mode: each shard padded to its bucket, none of the padding computed ----------------
+
+
+def _sharded_buckets(rank, world, compiler, cases):
+    """Exact attention in sharded mode at shard lengths 10 (static), then 12 and 14 (the shard a
+    symbol: bucket 16, each part padded at its end; Note [Padding shards to a bucket]): equal to
+    the float64 reference, forward and gradients, in two graphs, and every block, forward and
+    backward, computes the real rows and keys of its parts only."""
+    import ring_rewrite
+    import ring_rewrite.ops as ops
+    from ring_rewrite.reference import reference_attention
+
+    seen = []
+    for name, at in (("_block_forward", 0), ("_block_backward", 1)):  # where q and k are
+
+        def spy(*args, _fn=getattr(ops, name), _at=at, **kwargs):
+            q, k = (kwargs["q"], kwargs["k"]) if "q" in kwargs else args[_at : _at + 2]
+            seen.append((q.shape[2], k.shape[2]))
+            return _fn(*args, **kwargs)
+
+        setattr(ops, name, spy)
+    for layout, causal, masked in cases:
+        torch._dynamo.reset()
+        backend = ring_rewrite.backend(sharding="sharded", layout=layout, compiler=compiler)
+        attend = torch.compile(
+            lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal), backend=backend
+        )
+        for s in (10, 12, 14):
+            n, g = world * s, torch.Generator().manual_seed(s)
+            q, k, v, dout = (torch.randn(2, 4, n, 8, generator=g) for _ in range(4))
+            keep = (torch.rand(2, 1, 1, n, generator=g) > 0.3) | (torch.arange(n) == 0)
+            leaves = [x.double().requires_grad_() for x in (q, k, v)]
+            ref = reference_attention(*leaves, is_causal=causal, key_bias=keep if masked else None)
+            expected = [ref, *torch.autograd.grad(ref, leaves, dout.double())]
+            cut = lambda x, dim=2: ring_rewrite.shard(x, dim, layout=layout)  # noqa: E731
+            inputs = [cut(x).requires_grad_() for x in (q, k, v)]
+            seen.clear()
+            out = attend(*inputs, cut(keep, 3) if masked else None)
+            got = [out, *torch.autograd.grad(out, inputs, cut(dout))]
+            errors = [rel_err(a, cut(b)) for a, b in zip(got, expected)]
+            assert max(errors) < BOUND, (rank, layout, causal, masked, s, errors)
+            # Each part's real rows (s / 2 a part with zigzag), never the bucket's 16 (8).
+            parts = 2 if layout == "zigzag" else 1
+            assert seen and all(max(rows) <= s and max(rows) % (s // parts) == 0 for rows in seen), (s, seen)
+        records = backend.records
+        assert len(records) == 2 and records[1].plan.n == world * 16, [r.plan.n for r in records]
+        assert records[1].reason.startswith(f"a bucket of {world * 16}: its blocks compute the real rows only")
+
+
+@pytest.mark.parametrize(
+    "world, compiler, cases",
+    [
+        (2, "inductor", [("zigzag", True, False), ("contiguous", False, True)]),
+        (2, "aot_eager", [("contiguous", True, False), ("zigzag", False, True)]),
+        (4, "inductor", [("zigzag", True, False)]),
+    ],
+    ids=["P2-inductor", "P2-aot_eager", "P4-inductor"],
+)
+def test_sharded_lengths_pad_each_shard_and_compute_only_real_rows(world, compiler, cases):
+    run_ranks(world, _sharded_buckets, compiler, cases)
+
+
+def _unequal_shards(rank, world):
+    """One graph serves every shard length of a bucket: ranks whose shards differ raise on
+    every rank, naming the lengths, and the next call in step goes on."""
+    import ring_rewrite
+
+    attend = torch.compile(
+        lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+        backend=ring_rewrite.backend(sharding="sharded", compiler="aot_eager"),
+    )
+    for s in (10, 12):
+        attend(torch.randn(1, 2, s, 8))
+    with pytest.raises(ValueError, match=r"shards of different lengths \(rank 0: 12, rank 1: 14 real positions"):
+        attend(torch.randn(1, 2, 14 if rank else 12, 8))
+    assert attend(torch.randn(1, 2, 14, 8)).shape == (1, 2, 14, 8)
+
+
+def test_ranks_with_unequal_shards_of_one_bucket_raise():
+    run_ranks(2, _unequal_shards)

@@ -107,14 +107,20 @@ def test_losses_of_the_shards_add_up_to_the_batch_mean():
 
 
 def test_lengths():
-    def length(n, world=2, layout="zigzag", **kwargs):
-        (shard, *_) = _every_rank(_batch(n=n), world, layout, **kwargs)
+    def length(n, world=2, layout="zigzag", extra=None, **kwargs):
+        (shard, *_) = _every_rank(_batch(n=n, **(extra or {})), world, layout, **kwargs)
         return shard["input_ids"].shape[1] * world
 
     assert [length(n) for n in (100, 128, 129, 1000)] == [128, 128, 256, 1024]
     assert length(100, buckets=False) == 100 and length(101, buckets=False) == 104
     assert length(100, buckets=False, multiple_of=3) == 108  # a multiple of 4 chunks and of 3
     assert length(5, world=4, layout="contiguous") == 8
+    # "shards": to the shards only (the graph pads each shard); with packed positions, whole.
+    assert length(100, buckets="shards") == 100 and length(101, buckets="shards") == 104
+    positions = torch.arange(101).expand(2, 101)
+    assert length(101, buckets="shards", extra={"position_ids": positions}) == 128
+    with pytest.raises(ValueError, match="buckets must be True, False or 'shards'"):
+        length(100, buckets="yes")
 
 
 def test_padding_masks_what_it_adds():
@@ -127,9 +133,12 @@ def test_padding_masks_what_it_adds():
     (shard,) = _every_rank(_batch(n=6, position_ids=positions), 1, "contiguous")
     assert "attention_mask" not in shard
     assert torch.equal(shard["position_ids"][1], torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
-    # Nothing to pad: nothing added.
+    # Nothing to pad: nothing added; with buckets="shards" a mask all the same, so that
+    # transformers builds a key mask its compiled graph can pad per shard, not documents.
     (shard,) = _every_rank(_batch(n=8), 1, "contiguous")
     assert "attention_mask" not in shard and shard["input_ids"].shape == (2, 8)
+    (shard,) = _every_rank(_batch(n=8), 1, "contiguous", buckets="shards")
+    assert torch.equal(shard["attention_mask"], torch.ones(2, 8, dtype=torch.long))
 
 
 def test_labels_of_their_own_token_are_not_shifted():

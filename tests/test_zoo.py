@@ -627,6 +627,44 @@ def test_two_ranks_sharded_recipe_matches_reference():
     run_ranks(2, _sharded_recipes, "inductor")  # one pair of processes for every family
 
 
+def _sharded_lengths(rank: int, world: int) -> None:
+    """Batches padded to their longest row, cut by ``shard_batch(buckets="shards")``: after the
+    first length each rank's shard is a symbol the graph pads to its bucket, computing none of
+    the padding (Note [Padding shards to a bucket]). Loss and gradients equal the float64
+    reference's at every length, in two graphs."""
+    model = ZOO["llama"].build()
+    backend = ring_rewrite.backend(sharding="sharded", layout="zigzag", compiler="inductor")
+    compiled = torch.compile(model, backend=backend)
+    for n in (40, 52, 34, 60):  # shards of 20 (static), then 26, 18 and 30: bucket 32
+        ids = torch.randint(3, V, (B, n), generator=torch.Generator().manual_seed(n))
+        mask = torch.ones(B, n, dtype=torch.long)
+        mask[1, n - 7 :] = 0  # right padding of the shorter row
+        whole = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+        def loss(runner, batch):
+            model.zero_grad()
+            out = runner(**batch, use_cache=False).loss
+            out.backward()
+            return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.nn.functional, "scaled_dot_product_attention", _reference_sdpa({}, [], ()))
+            expected = loss(model, whole)
+        got_loss, grads = loss(compiled, ring_rewrite.shard_batch(whole, layout="zigzag", buckets="shards"))
+        torch.distributed.all_reduce(got_loss)
+        for g in grads.values():
+            torch.distributed.all_reduce(g)
+        errors = _errors("llama", (got_loss, grads), expected)
+        assert _worst(errors)[1] < BOUND, (rank, n, _worst(errors))
+    shapes = [r.shapes["query"][2] for r in backend.records]
+    assert shapes == [20] * len(ZOO["llama"].sites) + [32] * len(ZOO["llama"].sites), shapes
+    assert all(r.reason.startswith("a bucket of 64: its blocks compute the real rows only") for r in backend.records[-1:])
+
+
+def test_two_ranks_sharded_lengths_share_a_graph_per_bucket():
+    run_ranks(2, _sharded_lengths)
+
+
 # ---- a new length every batch ---------------------------------------------------------------------
 
 

@@ -88,7 +88,7 @@ from .errors import RingOutOfStep, TransferTimeout
 from .groups import _group, global_rank
 from .recovery import _all_gather, _gather_objects, _recover, _wait_collective
 from .state import (
-    _CALL_ID, _GROUP_CALL, _H_CALL, _H_CLOSED, _H_LEFTOVER, _HEADER_SIZE, _KIND, _SITE, _TIMEOUT_MS,
+    _CALL_ID, _GROUP_CALL, _H_CALL, _H_CLOSED, _H_LEFTOVER, _H_LENGTH, _HEADER_SIZE, _KIND, _SITE, _TIMEOUT_MS,
     _TOKEN_SIZE, _VARIANT, BACKWARD, CALL, COMPILE, FAILED, FORWARD, _GroupState, _state,
 )  # fmt: skip
 from .waiter import _PENDING
@@ -121,19 +121,21 @@ def name_sites(variant: int, names: dict[int, str]) -> None:
 
 
 @torch.library.custom_op("ring_rewrite::site_token", mutates_args=())
-def site_token(site: int, group_name: str, variant: int, timeout_ms: int) -> torch.Tensor:
+def site_token(site: int, group_name: str, variant: int, timeout_ms: int, length: torch.Tensor | None = None) -> torch.Tensor:
     """Open a call of ``site`` (its forward): the header every rank of the group exchanges
     (Note [Calls, deadlines and recovery]), then the first token of the call's chain. Tokens
     order the transfers (each op takes one and returns the next) and carry the call's site,
-    number and deadline to the ops, for the tags and the errors.
+    number and deadline to the ops, for the tags and the errors. ``length`` (a 0-d int64
+    tensor), the real rows of each part of a shard padded to a length bucket, goes into the
+    header: the ranks must agree on it, as one graph serves every length of the bucket.
 
     An op, not ``torch.full``: inductor would build one kernel per site index.
     """
-    return _open_call(group_name, site, FORWARD, variant, timeout_ms)
+    return _open_call(group_name, site, FORWARD, variant, timeout_ms, 0 if length is None else int(length))
 
 
 @site_token.register_fake
-def _(site, group_name, variant, timeout_ms):
+def _(site, group_name, variant, timeout_ms, length=None):
     return torch.empty((_TOKEN_SIZE,), dtype=torch.int64)
 
 
@@ -162,7 +164,7 @@ def _usable(state: _GroupState, what: str) -> None:
         )
 
 
-def _open_call(group_name: str, site: int, direction: int, variant: int, timeout_ms: int):
+def _open_call(group_name: str, site: int, direction: int, variant: int, timeout_ms: int, length: int = 0):
     state = _state(group_name)
     what = f"site {site} ({('forward', 'backward')[direction]})"
     _usable(state, what)
@@ -174,6 +176,7 @@ def _open_call(group_name: str, site: int, direction: int, variant: int, timeout
     while True:
         leftover = [p for p in _PENDING.values() if p.group_name == group_name]
         header = _header(state, CALL, site, direction, variant, len(leftover))
+        header[_H_LENGTH] = length
         headers = _all_gather(group, header, deadline, f"the header of {what}, call {state.call}", state)
         verdict = _round(group, state, header, headers, leftover, timeout)
         if verdict is None:
@@ -207,7 +210,7 @@ def _round(group, state, header, headers, leftover, timeout):
             _recover(group, group.group_name, state, state.started, leftover, timeout)
         state.started = {}
         if bool((headers[:, :_H_LEFTOVER] == headers[0, :_H_LEFTOVER]).all()):
-            return None
+            return _lengths_differ(group, headers)
     names = [_call_name(h) for h in headers]
     waiting = state.waiting(headers)
     state.diverged(headers)
@@ -228,6 +231,21 @@ def _round(group, state, header, headers, leftover, timeout):
         "(a rank skipped or repeated a call, raised and went on, compiles a graph the others "
         f"do not, or runs another compiled function or variant): {everyone}. No transfer of "
         "this call was made; the next call starts in step again."
+    )
+
+
+def _lengths_differ(group, headers: torch.Tensor) -> ValueError | None:
+    """The error every rank raises when the ranks open the same call of a bucketed graph with
+    shards of different real lengths (one graph serves every length of a bucket, so nothing
+    else tells them apart); None when they agree."""
+    lengths = headers[:, _H_LENGTH]
+    if bool((lengths == lengths[0]).all()):
+        return None
+    each = ", ".join(f"rank {global_rank(group, r)}: {int(n)}" for r, n in enumerate(lengths))
+    return ValueError(
+        f"ring_rewrite: the ranks hold shards of different lengths ({each} real positions per "
+        "part of a shard); every rank must hold its equal shard of one sequence "
+        "(ring_rewrite.shard and shard_batch cut them so). No transfer of this call was made."
     )
 
 

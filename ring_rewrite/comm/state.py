@@ -18,7 +18,7 @@ _TOKEN_SIZE = 5
 
 # A header: int64 of one size for everything the ring exchanges between calls, so that any two
 # ranks' headers pair up in gloo and each rank reads the other's, whatever each was doing.
-_KIND, _H_CALL, _H_SITE, _H_DIRECTION, _H_VARIANT, _H_LEFTOVER, _H_CLOSED = range(7)
+_KIND, _H_CALL, _H_SITE, _H_DIRECTION, _H_VARIANT, _H_LEFTOVER, _H_CLOSED, _H_LENGTH = range(8)
 _HEADER_SIZE = 8
 CALL, COMPILE, FAILED = 1, 2, 3
 """Header kinds: a site call opens, a compile agrees on its plans (``check_agreement``), a call
