@@ -133,6 +133,8 @@ def bind_sdpa(node: fx.Node) -> SdpaSite:
     bound = dict(_DEFAULTS)
     bound.update(zip(_SIGNATURE, node.args))
     bound.update(node.kwargs)
+    for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
+        bound[name] = _specialised(bound[name])
     return SdpaSite(
         node=node,
         query=bound["query"],
@@ -145,6 +147,17 @@ def bind_sdpa(node: fx.Node) -> SdpaSite:
         enable_gqa=bound["enable_gqa"],
         location=location(node),
     )
+
+
+def _specialised(x):
+    """A number that dynamo made a symbol (``dynamic=True`` turns a float such as a scale into
+    a graph input) as its value, the graph guarded on it: a site's scalars are its plan's
+    constants. Anything else as it is."""
+    value = x.meta.get("example_value") if isinstance(x, fx.Node) else None
+    for kind, cast in ((torch.SymBool, bool), (torch.SymInt, int), (torch.SymFloat, float)):
+        if isinstance(value, kind):
+            return cast(value)  # NOTE: guards the graph on the value: another one compiles again
+    return x
 
 
 def sdpa_unsupported_reason(site: SdpaSite) -> str | None:

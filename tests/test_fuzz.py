@@ -29,6 +29,7 @@ FOUND_TWO = {
     "lowering took its arguments as the backward's donated buffers",
     81508: "position values that step by 2, sharded: the run-time check raised as it must, and the "
     "campaign did not count its reason among the expected ones",
+    200671: "dynamic=True made the scale a symbol, and sharded mode refused the site as computed at run time",
 }
 """The same, of two ranks."""
 
