@@ -144,11 +144,16 @@ def measure(n: int, padded: bool, functions: dict, graphs: dict, dense: bool = T
             _step(fn, *inputs[name])
             times[name].append(time.perf_counter() - t0)
     peaks = {name: peak_increase(lambda fn=fn, name=name: _step(fn, *inputs[name])) for name, fn in functions.items()}
+    return _row({"N": n, "bucket": 1 << (n - 1).bit_length()}, results, times, peaks)
+
+
+def _row(where: dict, results: dict, times: dict, peaks: dict) -> dict:
+    """One length's row: ``where`` it ran, then time, peak rise and the check, bucketed against
+    specialised (and dense SDPA's time, where it ran)."""
     check = max(rel_err(a, b) for a, b in zip(results["bucketed"], results["specialised"]))
     median = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "N": n,
-        "bucket": 1 << (n - 1).bit_length(),
+        **where,
         "bucketed s": median["bucketed"],
         "specialised s": median["specialised"],
         "dense SDPA s": median.get("dense SDPA"),
@@ -231,22 +236,7 @@ def measure_sharded(n: int, functions: dict, graphs: dict) -> dict:
         dist.all_reduce(rise, op=dist.ReduceOp.MAX)
         peaks[name] = rise.item()
     shard = results["specialised"][0].shape[2]
-    check = max(rel_err(a, b) for a, b in zip(results["bucketed"], results["specialised"]))
-    median = {name: statistics.median(t) for name, t in times.items()}
-    return {
-        "N": n,
-        "shard": shard,
-        "bucket": 1 << (shard - 1).bit_length(),
-        "bucketed s": median["bucketed"],
-        "specialised s": median["specialised"],
-        "dense SDPA s": None,
-        "time ratio": median["bucketed"] / median["specialised"],
-        "bucketed peak MiB": peaks["bucketed"] / MIB,
-        "specialised peak MiB": peaks["specialised"] / MIB,
-        "peak ratio": peaks["bucketed"] / max(peaks["specialised"], 1),
-        "check": check,
-        "times_s": times,
-    }
+    return _row({"N": n, "shard": shard, "bucket": 1 << (shard - 1).bit_length()}, results, times, peaks)
 
 
 def _plot(rows: dict, path: Path) -> None:

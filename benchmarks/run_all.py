@@ -36,6 +36,7 @@ BENCHMARKS = {
     "alibi_accuracy": ("alibi_accuracy.py", [], "alibi_accuracy.json"),
     "decode": ("decode.py", [], "decode.json"),
     "lengths": ("lengths.py", [], "lengths.json"),
+    "lengths_sharded": ("lengths.py", ["--ranks", "4"], "lengths_sharded.json"),
     "comm_options": ("comm_options.py", [], "comm_options.json"),
 }
 
