@@ -301,8 +301,12 @@ def _trainer(tmp_path, ring=None, model=None, **fields):
         (dict(train_sampling_strategy="batch_rebalance"), "deals them over the replicas"),
         (dict(compute_loss_func=lambda *a, **k: 0), "fold the loss"),
         (dict(model="flex_attention"), "attn_implementation='sdpa'"),
+        (dict(ring={"cp": 1, "buckets": "yes"}), "must be True, False or 'shards'"),
     ],
-    ids=["ring-key", "cp", "compile-backend", "checkpointing", "bf16", "smoothing", "rebalance", "loss-func", "flex"],
+    ids=[
+        "ring-key", "cp", "compile-backend", "checkpointing", "bf16", "smoothing", "rebalance", "loss-func", "flex",
+        "buckets",
+    ],  # fmt: skip
 )
 def test_what_cannot_compose_is_an_error_naming_the_fix(tmp_path, case, fix):
     if case.get("model") == "flex_attention":
@@ -311,6 +315,18 @@ def test_what_cannot_compose_is_an_error_naming_the_fix(tmp_path, case, fix):
         case = {**case, "model": model}
     with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)")):
         _trainer(tmp_path, **case)
+
+
+@pytest.mark.parametrize(
+    "ring, buckets",
+    [({"cp": 1}, "shards"), ({"cp": 1, **CONFIG}, True), ({"cp": 1, "buckets": False}, False)],
+    ids=["exact", "dilated", "given"],
+)
+def test_exact_attention_pads_each_shard_to_its_bucket_by_default(tmp_path, ring, buckets):
+    """Exact attention on the ring pads batches to the shards only, and its compiled graph each
+    shard to its bucket (shard_batch's buckets="shards"); a dilated config reads positions, so its
+    batches are padded whole to a power of two."""
+    assert _trainer(tmp_path, ring=ring)._buckets == buckets
 
 
 def test_a_collator_without_input_ids_is_an_error_naming_the_fix(tmp_path):
