@@ -179,7 +179,7 @@ def _per_shard(site: SdpaSite, n: torch.SymInt, structure: MaskStructure | None,
     world = resolve_group(config.group)[1]
     size = world * bucket(n.node.hint)
     exact = all(r == 1 and w >= size for w, r in zip(config.segment_lengths or (), config.dilation_rates or ()))
-    if not exact or config.comm != "ring" or site.dropout_p not in (0, 0.0, None):
+    if not exact or config.comm != "ring" or site.dropout_p:
         return False
     if structure is not None:
         if structure.documents is not None or structure.positions is not None or structure.reads_key_positions:
@@ -198,7 +198,7 @@ def _pad_site(
 ) -> None:
     """Pad ``site`` to its bucket: the sequence's end in one process (``parts`` None), else each
     of a shard's ``parts`` parts (Note [Padding shards to a bucket])."""
-    size = bucket(n.node.hint)
+    size, each = bucket(n.node.hint), parts or 1
     # NOTE: comparing the symbol guards the graph on its bucket: another length compiles again.
     if not size // 2 < n <= size:
         raise AssertionError(f"length {n} outside its own bucket {size}")
@@ -213,19 +213,19 @@ def _pad_site(
     with graph.inserting_before(node):
         length = call(torch.ops.aten.sym_size.int, site.query, 2)
         propagate_example_values([length])  # the structured mask reads it
-        q, k, v = (call(padded_rows, x, size, length, parts or 1) for x in (site.query, site.key, site.value))
+        q, k, v = (call(padded_rows, x, size, length, each) for x in (site.query, site.key, site.value))
         mask = site.attn_mask
         if structure is not None:
-            mask = _emit_structured_mask(graph, structure, site.query, size, length, parts or 1, index, node.meta.get("stack_trace"))
+            mask = _emit_structured_mask(graph, structure, site.query, size, length, each, index, node.meta.get("stack_trace"))
         elif mask is not None or not (site.is_causal or parts):
-            mask = call(_key_mask, site.query, size, length, mask, parts or 1)
+            mask = call(_key_mask, site.query, size, length, mask, each)
         args, kwargs = [q, k, v, *node.args[3:]], dict(node.kwargs)
         if len(args) > 3:
             args[3] = mask
         else:
             kwargs["attn_mask"] = mask
         padded = call(node.target, *args, **kwargs)
-        out = call(unpadded_rows, padded, length, parts or 1)
+        out = call(unpadded_rows, padded, length, each)
     propagate_example_values(new[1:])
     padded.meta = {**node.meta, "example_value": padded.meta["example_value"]}
     padded.meta[REAL] = length  # what the rewrite knows of its padding (Note [Padding to a bucket])
