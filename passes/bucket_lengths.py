@@ -72,15 +72,21 @@ ranks and the work on the others; so each rank pads each part of its shard at it
 to ``L / parts`` rows (``padded_rows``' ``parts``): the site sees a sequence of ``P * L`` with
 the padding inside it, the real tokens in their order. That is the same function only where no
 position is read as a number, so only such sites are padded (``_per_shard``): exact attention on
-the ring (``comm="ring"``, every branch rate 1 over the whole sequence), no dropout, and no mask
+the ring (``comm="ring"``, one branch, rate 1 over the whole sequence), no dropout, and no mask
 or a mask of a causal band and key conjuncts that read the caller's tensors (a sliding window,
 ALiBi and packed documents read positions; those specialise). Their mask is rebuilt over the
 padded keys (``KEYS``: each rank's keys' values, padding masked, read as the caller's tensors
-are). The site gets the real rows per part as ``real``, every ring block computes only the real
-rows and keys of each part (``ops.block_attention``'s ``part``), and no real query reaches a
-padded key whatever the mask. Every rank must hold the same ``s0``: the count goes into the
-site call's header (``comm/calls.py``, ``site_token``'s ``length``), and ranks that differ raise.
-The transfers carry the padded parts whole.
+are).
+
+The padding is what the rewrite plans with, never what runs: the site is planned for the bucket
+(``SitePlan.bucketed``), and takes the unpadded q, k, v, the key bias at the real keys of each
+part and returns the unpadded out (``rewrite_sdpa._unpadded_inputs``, ``_real_keys``). Its body
+reads a part's rows as ``s0 / parts``, a symbol, where the plan has ``L / parts``
+(``attention._Inputs.rows``): at rate 1 a ring's rows are the shard's, parts one after another,
+in the sequence's order, so every block, transfer and sum of the bucket's program runs as it
+would at a static ``s0``, on the real rows and keys only, and nothing of the bucket's size is
+held. Every rank must hold the same ``s0``: the count goes into the site call's header
+(``comm/calls.py``, ``site_token``'s ``length``), and ranks that differ raise.
 """
 
 from __future__ import annotations
@@ -178,8 +184,8 @@ def _per_shard(site: SdpaSite, n: torch.SymInt, structure: MaskStructure | None,
     (causal, key masks); each shard cut into the layout's parts whole."""
     world = resolve_group(config.group)[1]
     size = world * bucket(n.node.hint)
-    exact = all(r == 1 and w >= size for w, r in zip(config.segment_lengths or (), config.dilation_rates or ()))
-    if not exact or config.comm != "ring" or site.dropout_p:
+    ((w, r), *more) = config.branches(size)  # one branch: the shard's rows are its rows
+    if more or r != 1 or w < size or config.comm != "ring" or site.dropout_p:
         return False
     if structure is not None:
         if structure.documents is not None or structure.positions is not None or structure.reads_key_positions:
@@ -268,13 +274,13 @@ def _key_mask(q: torch.Tensor, size: int, length, mask: torch.Tensor | None, par
     return torch.where(keep, keys, False if mask.dtype == torch.bool else float("-inf"))
 
 
-def unpadded_rows(x: torch.Tensor, length, parts: int = 1) -> torch.Tensor:
-    """The ``length`` real tokens of ``x`` (dim 2), padded as ``padded_rows`` pads."""
+def unpadded_rows(x: torch.Tensor, length, parts: int = 1, dim: int = 2) -> torch.Tensor:
+    """The ``length`` real tokens of ``x`` (along ``dim``), padded as ``padded_rows`` pads."""
     i = torch.arange(length, device=x.device)
     if parts > 1:
         real = length // parts
-        i = i // real * (x.shape[2] // parts) + i % real
-    return x.index_select(2, i)
+        i = i // real * (x.shape[dim] // parts) + i % real
+    return x.index_select(dim, i)
 
 
 def _emit_structured_mask(graph, structure, q, size, length, parts, index, stack) -> fx.Node:

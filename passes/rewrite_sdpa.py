@@ -364,21 +364,36 @@ def _key_bias(
 
 def _unpadded_inputs(plan: SitePlan, site: SdpaSite) -> list[fx.Node] | None:
     """The unpadded q, k, v of a site the ``length_buckets`` pass padded, where the site can
-    take them: one process, every branch local and read in place, so that the kernels read
-    and write only the real rows where they lie (Note [Padding to a bucket]);
+    take them: a bucket's shard in sharded mode, whose ring runs at the real rows (Note [Padding
+    shards to a bucket]); in one process, every branch local and read in place, so that the
+    kernels read and write only the real rows where they lie (Note [Padding to a bucket]);
     None elsewhere."""
+    nodes = (site.query, site.key, site.value)
+    padded = all(isinstance(x, fx.Node) and x.target is padded_rows for x in nodes)
+    (out,) = site.node.users if len(site.node.users) == 1 else (None,)
+    padded = padded and out is not None and out.target is unpadded_rows
+    if plan.bucketed:
+        # NOTE: the length_buckets pass made these nodes; a bucketed plan runs on nothing else.
+        assert padded, f"site {plan.site}: a bucketed shard's padding is not length_buckets'"
+        return [x.args[0] for x in nodes]
     if plan.world != 1 or not plan.local_in_place or not all(b.is_local for b in plan.branches):
         return None
-    nodes = (site.query, site.key, site.value)
-    if not all(isinstance(x, fx.Node) and x.target is padded_rows and len(x.users) == 1 for x in nodes):
-        return None
-    (out,) = site.node.users if len(site.node.users) == 1 else (None,)
-    if out is None or out.target is not unpadded_rows:
+    if not padded or not all(len(x.users) == 1 for x in nodes):
         return None
     originals = [x.args[0] for x in nodes]
     if not all(site.meta(x).stride(-1) == 1 for x in originals):
         return None
     return originals
+
+
+def _real_keys(graph: fx.Graph, plan: SitePlan, bias: fx.Node, real: fx.Node | None, index: int, stack) -> fx.Node:
+    """A bucketed shard's key bias at its real keys, those of each part (the site takes the
+    shard's real rows: ``_unpadded_inputs``); the bias as it is elsewhere."""
+    if not plan.bucketed:
+        return bias
+    keys = graph.call_function(unpadded_rows, (bias, real, layout_of(plan.layout).parts), {"dim": -1})
+    stamp(keys, index, stack, role="mask")
+    return keys
 
 
 def _rewrite_site(
@@ -408,7 +423,7 @@ def _rewrite_site(
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):
                 bias = emit(tracer, functools.partial(_key_mask, structure, plan), site.query, *structure.data)
-            args.append(bias)
+            args.append(_real_keys(graph, plan, bias, real, index, stack))
             names.append("mask")
         token = None
         if plan.world > 1:
@@ -443,7 +458,7 @@ def _rewrite_site(
                     ),
                     site.attn_mask,
                 )
-            args.append(bias)
+            args.append(_real_keys(graph, plan, bias, real, index, stack))
             names.append("mask")
         if plan.documents:
             args.append(docs)
@@ -457,7 +472,10 @@ def _rewrite_site(
             stamp(seed, index, stack, role="dropout")
             args.append(seed)
             names.append("seed")
-        if count is not None:
+        if plan.bucketed:  # the shard's real rows (Note [Padding shards to a bucket])
+            unpadded = _unpadded_inputs(plan, site)
+            args[:3] = unpadded
+        elif count is not None:
             args.append(count)
             names.append("real")
             unpadded = _unpadded_inputs(plan, site)
@@ -492,7 +510,9 @@ def _rewrite_site(
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
     if real is None or not _skips_padding(plan) or plan.dropout:
         return None
-    rows = "reads and writes the real rows only" if unpadded is not None else "its blocks compute the real rows only"
+    rows = "its blocks compute the real rows only"
+    if unpadded is not None:
+        rows = "reads, sends and computes the real rows only" if plan.bucketed else "reads and writes the real rows only"
     return f"a bucket of {plan.n}: {rows}{_computed(plan, real)}"
 
 

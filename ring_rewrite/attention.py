@@ -150,12 +150,10 @@ def _padded_keys(plan: SitePlan, q: torch.Tensor, mask: torch.Tensor | None):
 
 def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """This rank's saved ``lse`` with the rows of padding at ``+inf``: the plan's (Note [Padding
-    the sequence]) and a length bucket's, past ``real`` (Note [Padding to a bucket]; in sharded
-    mode past ``real`` in each part of the shard). The backward's blocks take them as dead."""
-    if real is not None:  # one process: the rows are the sequence's; sharded: each part's
+    the sequence]) and, in one process, a length bucket's past ``real`` (Note [Padding to a
+    bucket]). The backward's blocks take them as dead."""
+    if real is not None:
         rows = torch.arange(lse.shape[-1], device=lse.device)
-        if plan.world > 1:
-            rows = rows % (plan.n_local // layout_of(plan.layout).parts)
         lse = lse.masked_fill(rows >= real, float("inf"))
     if not plan.pad:
         return lse
@@ -181,7 +179,8 @@ def _branch_bias(plan: SitePlan, branch: Branch, q: torch.Tensor, mask: torch.Te
     layout = branch.layout
     if mask is None:
         mask = q.new_zeros(1, 1, 1)
-    keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(layout.batch, layout.hq, layout.n, 1)
+    rows = -1 if plan.bucketed else layout.n  # a bucket's shard: the keys it has, its real ones
+    keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(layout.batch, layout.hq, rows, 1)
     (bias,) = _dilated(plan, layout, keys, rows=not branch.is_local, fill=_NEG_INF)
     return bias.transpose(-1, -2)
 
@@ -245,35 +244,36 @@ def _undilate_add(
     return total
 
 
-def _rows(x: torch.Tensor, layout, p0: int, p1: int, dim: int = 2) -> torch.Tensor:
-    """Parts ``[p0, p1)`` of ``x`` in ``_to_rows`` layout: a slice of ``dim``, a view."""
-    return x.narrow(dim, p0 * layout.m, (p1 - p0) * layout.m)
+def _rows(x: torch.Tensor, m, p0: int, p1: int, dim: int = 2) -> torch.Tensor:
+    """Parts ``[p0, p1)`` of ``x`` in ``_to_rows`` layout, ``m`` rows each: a slice of ``dim``,
+    a view."""
+    return x.narrow(dim, p0 * m, (p1 - p0) * m)
 
 
-def _split_rows(x: torch.Tensor, layout, p0: int, p1: int) -> list[torch.Tensor]:
+def _split_rows(x: torch.Tensor, m, p0: int, p1: int) -> list[torch.Tensor]:
     """Inverse of ``_rows``: ``(B, H, rows[, C])`` back into one ``(B, H, m[, C])`` per part."""
     if p1 - p0 == 1:
         return [x]
-    x = x.unflatten(2, (p1 - p0, layout.m))
+    x = x.unflatten(2, (p1 - p0, m))
     return [x.select(2, j) for j in range(p1 - p0)]
 
 
-def _kv_rows(plan: SitePlan, layout, kv: list[torch.Tensor], blk: Parts):
+def _kv_rows(plan: SitePlan, m, kv: list[torch.Tensor], blk: Parts):
     """K and V rows of a block; K/V travel in the input dtype and are upcast only here."""
-    rows = [_rows(x, layout, blk.k0, blk.k1) for x in kv]
+    rows = [_rows(x, m, blk.k0, blk.k1) for x in kv]
     if plan.compute_dtype != plan.dtype:
         rows = [x.to(plan.compute_dtype) for x in rows]
     return rows
 
 
-def _own_bias(plan: SitePlan, bias: torch.Tensor | None, layout=None, blk: Parts | None = None) -> dict:
+def _own_bias(plan: SitePlan, bias: torch.Tensor | None, m=None, blk: Parts | None = None) -> dict:
     """A block call's ``qbias``, the key bias of its query rows (Note [Recentred key biases]):
     of a ring branch's rows ``blk.q0 .. blk.q1`` (``bias`` this rank's own), of a local branch
     all of them; nothing where the plan does not recentre."""
     if not plan.recentred or bias is None:
         return {}
     if blk is not None:
-        bias = _rows(bias, layout, blk.q0, blk.q1, dim=3)
+        bias = _rows(bias, m, blk.q0, blk.q1, dim=3)
     return {"qbias": bias.squeeze(-2)}
 
 
@@ -337,7 +337,7 @@ def _doc_rows(plan, branch, docs, block: Block, keys: bool, heads: slice) -> tor
     ids = layout.dilate_q(docs.expand(layout.batch, layout.hq, -1, 1), fill=-1)[:, heads]
     if branch.is_local:
         return ids.squeeze(-1)
-    return _rows(_to_rows(ids, layout), layout, p0, p1).squeeze(-1)
+    return _rows(_to_rows(ids, layout), layout.m, p0, p1).squeeze(-1)
 
 
 # ---- forward -------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def _cat_heads(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.flatten(2) for x in xs], dim=1).unflatten(2, xs[0].shape[2:])
 
 
-def _merge_rows(merged: dict, layout, p0: int, p1: int, out, lse) -> None:
+def _merge_rows(merged: dict, m, p0: int, p1: int, out, lse) -> None:
     """A block's ``out`` and ``lse`` over parts ``[p0, p1)`` merged into ``merged``, runs of
     parts and their results so far: a run that is the block's parts merges whole (a rank's
     blocks mostly cover the same parts, so mostly one merge a block); where the block and the
@@ -365,8 +365,8 @@ def _merge_rows(merged: dict, layout, p0: int, p1: int, out, lse) -> None:
     for (a, b), (o, l) in list(merged.items()):
         if a < p1 and p0 < b:
             del merged[(a, b)]
-            merged.update(_parts(layout, a, b, o, l))
-    for run, (o, l) in _parts(layout, p0, p1, out, lse).items():
+            merged.update(_parts(m, a, b, o, l))
+    for run, (o, l) in _parts(m, p0, p1, out, lse).items():
         merged[run] = _merged(merged[run], (o, l)) if run in merged else (o, l)
 
 
@@ -375,9 +375,9 @@ def _merged(acc: tuple, new: tuple) -> tuple:
     return merge_partials([acc[0], new[0]], [acc[1], new[1]])
 
 
-def _parts(layout, p0: int, p1: int, out, lse) -> dict:
+def _parts(m, p0: int, p1: int, out, lse) -> dict:
     """``out`` and ``lse`` over parts ``[p0, p1)`` as one run per part (views)."""
-    pieces = zip(_split_rows(out, layout, p0, p1), _split_rows(lse, layout, p0, p1))
+    pieces = zip(_split_rows(out, m, p0, p1), _split_rows(lse, m, p0, p1))
     return {(part, part + 1): piece for part, piece in zip(range(p0, p1), pieces)}
 
 
@@ -401,9 +401,12 @@ class _Inputs:
     dout: torch.Tensor | None = None
     real: torch.Tensor | None = None
     """The count of real positions, where the sequence is padded to a length bucket in one
-    process, or of real rows in each part of a shard padded so (``site_forward``): the blocks
-    compute only those rows (Note [Padding to a bucket]), and the backward takes the rows past
-    it as dead."""
+    process (``site_forward``): the blocks compute only those rows (Note [Padding to a bucket]),
+    and the backward takes the rows past it as dead."""
+    rows: Any = None
+    """A bucket's shard in sharded mode: the real rows of each part of it, the traced length's
+    symbol over the layout's parts, where the plan has the bucket's (Note [Padding shards to a
+    bucket]); None elsewhere."""
 
     @classmethod
     def take(cls, plan: SitePlan, qkv: tuple, mask, docs, dout=None, real=None) -> _Inputs:
@@ -416,7 +419,12 @@ class _Inputs:
             local = [_local(plan, x) for x in padded]
             mask_local = None if mask_padded is None else _local(plan, mask_padded)
             docs_padded = None if docs is None else _padded(plan, docs)[0]
-        return cls(padded[0], *local[:3], mask_local, docs_padded, *(local[3:] or [None]), real)
+        rows = q.size(2) // layout_of(plan.layout).parts if plan.bucketed else None
+        return cls(padded[0], *local[:3], mask_local, docs_padded, *(local[3:] or [None]), real, rows)
+
+    def part_rows(self, layout) -> Any:
+        """Rows of each part of a ring branch's ``layout``: the plan's, or a bucket's real ones."""
+        return layout.m if self.rows is None else self.rows
 
 
 class _Call:
@@ -500,22 +508,22 @@ class _Forward(_Call):
         layout = plan.branches[i].layout
         qh, q, own_bias, kv = self.held[key]
         step_kv, step_bias = _kv_and_bias(kv)
+        m = self.inputs.part_rows(layout)
         band = _band_args(plan, plan.branches[i], blk, q, self.inputs.docs, qh)
         with role("attention", branch=i, step=blk.step):
             out, lse = torch.ops.ring_rewrite.block_attention(
-                _rows(q, layout, blk.q0, blk.q1),
-                *_kv_rows(plan, layout, step_kv, blk),
-                None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
+                _rows(q, m, blk.q0, blk.q1),
+                *_kv_rows(plan, m, step_kv, blk),
+                None if step_bias is None else _rows(step_bias, m, blk.k0, blk.k1, dim=3),
                 plan.scale,
                 blk.causal,
                 *_drop(plan, self.seed, i, blk.chunk, blk.step, blk.index),
                 **band,
-                **_own_bias(plan, own_bias, layout, blk),
-                **_real_parts(plan, layout, self.inputs),
+                **_own_bias(plan, own_bias, m, blk),
             )
         self.computed.setdefault((i, blk.chunk, blk.step), []).extend([out, lse])
         with role("merge", branch=i, step=blk.step):
-            _merge_rows(self.merged[key], layout, blk.q0, blk.q1, out, lse)
+            _merge_rows(self.merged[key], m, blk.q0, blk.q1, out, lse)
 
     def _local(self, blk: Block) -> None:
         plan, i = self.plan, blk.branch
@@ -580,6 +588,10 @@ class _Forward(_Call):
         else:  # its head chunks side by side, then as the rows of a local branch
             outs, lses = zip(*self.results.pop(i))
             out, lse = _cat_heads(list(outs)), _cat_heads(list(lses))
+            if self.inputs.rows is not None:  # a bucket's ring at rate 1: its rows are the shard's
+                self.outs.append(out)
+                self.lses.append(lse)
+                return
             out, lse = _from_rows(out, branch.layout), _from_rows(lse, branch.layout)
         with role("undilate", branch=i):
             self.outs.append(branch.layout.undilate_q(out))
@@ -600,15 +612,6 @@ def _real_rows(plan: SitePlan, layout, x: _Inputs) -> dict:
     if x.real is None or plan.dropout:
         return {}
     return {"layout": _fields(layout), "real": x.real}
-
-
-def _real_parts(plan: SitePlan, layout, x: _Inputs) -> dict:
-    """A ring block's call over the real rows only, where each rank's shard is padded per part
-    to a length bucket (``x.real`` real rows a part, Note [Padding to a bucket]): each part of
-    its query rows and keys keeps its first ``x.real``. Not with dropout (as ``_real_rows``)."""
-    if x.real is None or plan.dropout:
-        return {}
-    return {"part": layout.m, "real": x.real}
 
 
 def _real(x: _Inputs) -> list[torch.Tensor]:
@@ -761,7 +764,7 @@ class _Backward(_Call):
         chunk = self.chunks[(step.branch, step.chunk)]
         layout = self.plan.branches[step.branch].layout
         with role("merge", branch=step.branch):
-            rows = layout.nseg * layout.m
+            rows = layout.nseg * self.inputs.part_rows(layout)
             chunk.landed = [_add_rows(self.plan, a, b, 0, rows) for a, b in zip(chunk.landed, chunk.own)]
 
     def _ring_block(self, blk: Block) -> None:
@@ -771,24 +774,24 @@ class _Backward(_Call):
         dout, q, _, _, out, lse, bias = chunk.rows
         step_kv, step_bias = _kv_and_bias(chunk.kv)
         qh = chunks(plan, plan.branches[i])[blk.chunk][0]
+        m = self.inputs.part_rows(layout)
         band = _band_args(plan, plan.branches[i], blk, q, self.inputs.docs, qh)
         with role("attention_backward", branch=i, step=blk.step):
             dq, dk, dv = torch.ops.ring_rewrite.block_attention_backward(
-                *(_rows(x, layout, blk.q0, blk.q1) for x in (dout, q)),
-                *_kv_rows(plan, layout, step_kv, blk),
-                *(_rows(x, layout, blk.q0, blk.q1) for x in (out, lse)),
-                None if step_bias is None else _rows(step_bias, layout, blk.k0, blk.k1, dim=3),
+                *(_rows(x, m, blk.q0, blk.q1) for x in (dout, q)),
+                *_kv_rows(plan, m, step_kv, blk),
+                *(_rows(x, m, blk.q0, blk.q1) for x in (out, lse)),
+                None if step_bias is None else _rows(step_bias, m, blk.k0, blk.k1, dim=3),
                 plan.scale,
                 blk.causal,
                 *_drop(plan, self.seed, i, blk.chunk, blk.step, blk.index),
                 **band,
-                **_own_bias(plan, bias, layout, blk),
-                **_real_parts(plan, layout, self.inputs),
+                **_own_bias(plan, bias, m, blk),
             )
         self.computed.setdefault((i, blk.chunk, blk.step), []).extend([dq, dk, dv])
-        self.shares.setdefault((i, blk.chunk, blk.step), []).append((blk.k0 * layout.m, dk, dv))
+        self.shares.setdefault((i, blk.chunk, blk.step), []).append((blk.k0 * m, dk, dv))
         with role("merge", branch=i, step=blk.step):
-            chunk.dq = _add_rows(plan, chunk.dq, dq, blk.q0 * layout.m, layout.nseg * layout.m)
+            chunk.dq = _add_rows(plan, chunk.dq, dq, blk.q0 * m, layout.nseg * m)
 
     def merge(self, step: Merge) -> None:
         if step.branch is None:
@@ -805,7 +808,7 @@ class _Backward(_Call):
         sums of a ring step]); step 0's is this rank's own share, which stays home."""
         plan, chunk = self.plan, self.chunks[(i, c)]
         layout = plan.branches[i].layout
-        rows = layout.nseg * layout.m
+        rows = layout.nseg * self.inputs.part_rows(layout)
         shares = self.shares.pop((i, c, step), [])
         with role("merge", branch=i, step=step):
             sums = None if step == 0 else chunk.dkv

@@ -92,7 +92,13 @@ def install() -> None:
 @functools.cache
 def cache_key() -> Any:
     """A post-grad pass that changes nothing, whose uuid keys inductor's FX graph cache to this
-    file (Notes [Inductor's loop split], [Donated buffers in subgraphs])."""
+    file (Notes [Inductor's loop split], [Donated buffers in subgraphs]) and to the schemas of
+    our custom ops: compiled code calls them with every argument of the schema it was compiled
+    against, so code cached before a schema changed would call the op with arguments it no
+    longer has."""
+    import hashlib
+
+    import torch
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class _Key(CustomGraphPass):
@@ -100,6 +106,7 @@ def cache_key() -> Any:
             pass
 
         def uuid(self) -> bytes:
-            return get_hash_for_files((__file__,))
+            schemas = sorted(str(s) for s in torch._C._jit_get_all_schemas() if s.name.startswith("ring_rewrite::"))
+            return get_hash_for_files((__file__,)) + hashlib.sha256("\n".join(schemas).encode()).digest()
 
     return _Key()

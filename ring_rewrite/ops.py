@@ -25,9 +25,7 @@ write[, real])`` their backward, adding (with ``write``: writing) the gradients 
 in place (Note [Local branches in place]); with ``real``, a causal site's
 count of real positions in a sequence padded to a length bucket, only the blocks' real rows.
 ``block_attention`` and its backward take ``real`` too, with the ``layout`` of a local branch
-whose rows they hold: they compute its real rows and keys only (``_on_real_rows``); or with
-``part``, the rows of a ring block, parts of ``part`` rows each padded at its end (a sharded
-sequence bucketed per shard): each part's first ``real`` rows and keys only (``_on_real_parts``).
+whose rows they hold: they compute its real rows and keys only (``_on_real_rows``).
 
 ``dilate(x, layout, kv, rows, fill, dtype)`` gathers a branch's rows (Note [Gathers as calls])
 and ``undilate_add(total, y, layout, kv, rows, zero, start)`` adds them back, in place (Note
@@ -184,7 +182,6 @@ def block_attention(
     qbias: torch.Tensor | None = None,
     layout: list[int] | None = None,
     real: torch.Tensor | None = None,
-    part: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if real is not None:
         results = lambda: [  # noqa: E731
@@ -192,8 +189,6 @@ def block_attention(
         ]
         args = dict(q=q, k=k, v=v, bias=bias, qpos=qpos, kpos=kpos, qdoc=qdoc, kdoc=kdoc, qbias=qbias)
         rest = dict(scale=scale, is_causal=is_causal, dropout_p=dropout_p, seed=seed, block=block, band=band)
-        if part is not None:
-            return tuple(_on_real_parts(_block_forward, part, int(real), args, rest, results))
         return tuple(_on_real_rows(_block_forward, BranchLayout(*layout), int(real), args, rest, results))
     return _block_forward(q, k, v, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias)
 
@@ -258,43 +253,6 @@ def real_calls(lay: BranchLayout, real: int) -> list[KernelCall]:
     return [KernelCall(0, whole, lay.m)] * bool(whole) + [KernelCall(whole, 1, last)] * bool(last)
 
 
-def _on_real_parts(fn, part: int, real: int, rows: dict, rest: dict, make) -> list:
-    """``fn(**rows, **rest)`` over the real rows of a ring block (Note [Padding to a bucket]):
-    its query rows and its keys are parts of ``part`` rows, each padded at its end, whose first
-    ``real`` rows are real. One call over the real rows of every part, one after another (their
-    order is the sequence's, so a causal block stays causal), its results written into those
-    ``make()`` makes at the same rows (dim 2 of each; left as made elsewhere)."""
-    if real >= part:  # every row real: no copy
-        return list(fn(**rows, **rest))
-    cut = {name: _part_rows(x, part, real, _ROW_DIM.get(name, 2)) for name, x in rows.items()}
-    results = make()
-    for total, result in zip(results, fn(**cut, **rest)):
-        at = _real_index(total.shape[2], part, real, total.device)
-        if at is None:
-            total.narrow(2, 0, real).copy_(result)
-        else:
-            total.index_copy_(2, at, result)
-    return results
-
-
-def _real_index(size: int, part: int, real: int, device) -> torch.Tensor | None:
-    """The real rows of ``size // part`` parts (each one's first ``real``) as an index; None for
-    one part (its rows are a prefix)."""
-    if size == part:
-        return None
-    starts = torch.arange(0, size, part, device=device)
-    return (starts.view(-1, 1) + torch.arange(real, device=device)).flatten()
-
-
-def _part_rows(x: torch.Tensor | None, part: int, real: int, dim: int) -> torch.Tensor | None:
-    """The real rows of ``x`` along ``dim`` (``_real_index``), where ``x`` has rows there (a
-    broadcast dim of size 1 stays)."""
-    if x is None or x.shape[dim] % part or x.shape[dim] < part:
-        return x
-    at = _real_index(x.shape[dim], part, real, x.device)
-    return x.narrow(dim, 0, real) if at is None else x.index_select(dim, at)
-
-
 _ROW_DIM = {"bias": 3, "qpos": 0, "kpos": 0}
 """Where the rows (keys) lie in a block op's tensors that are not dim 2."""
 
@@ -312,7 +270,7 @@ def _segment_rows(x: torch.Tensor | None, lay: BranchLayout, first: int, segment
 
 @block_attention.register_fake
 def _(q, k, v, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None, kpos=None,
-      qdoc=None, kdoc=None, qbias=None, layout=None, real=None, part=None):  # fmt: skip
+      qdoc=None, kdoc=None, qbias=None, layout=None, real=None):  # fmt: skip
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(q.shape[:-1], dtype=stat_dtype(q.dtype))
     return out, lse
@@ -340,14 +298,11 @@ def block_attention_backward(
     qbias: torch.Tensor | None = None,
     layout: list[int] | None = None,
     real: torch.Tensor | None = None,
-    part: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if real is not None:
         args = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, bias=bias, qpos=qpos, kpos=kpos, qdoc=qdoc, kdoc=kdoc, qbias=qbias)
         rest = dict(scale=scale, is_causal=is_causal, dropout_p=dropout_p, seed=seed, block=block, band=band)
         grads = lambda: [torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)]  # noqa: E731
-        if part is not None:
-            return tuple(_on_real_parts(_block_backward, part, int(real), args, rest, grads))
         return tuple(_on_real_rows(_block_backward, BranchLayout(*layout), int(real), args, rest, grads))
     return _block_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p, seed, block, band, qpos, kpos, qdoc, kdoc, qbias)
 
@@ -381,7 +336,7 @@ def _attend_backward(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p,
 
 @block_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, bias, scale, is_causal, dropout_p=0.0, seed=None, block=None, band=None, qpos=None,
-      kpos=None, qdoc=None, kdoc=None, qbias=None, layout=None, real=None, part=None):  # fmt: skip
+      kpos=None, qdoc=None, kdoc=None, qbias=None, layout=None, real=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -162,8 +162,9 @@ class SitePlan:
     """Ranks in each all-to-all group, consecutive ranks of the group: 1 for a ring, ``world``
     for ``"all_to_all"``, in between for ``"hybrid"``."""
     bucketed: bool = False
-    """Whether each part of a rank's rows is padded to a length bucket (Note [Padding shards to
-    a bucket]): more than half of each part's rows are real, and only they are computed."""
+    """Whether the plan is a length bucket's, in sharded mode (Note [Padding shards to a
+    bucket]): the site runs on each rank's unpadded shard, more than half of each part's
+    planned rows, and reads, sends and computes only those."""
 
     @classmethod
     def build(

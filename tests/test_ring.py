@@ -496,14 +496,15 @@ def test_dynamic_lengths_across_ranks():
 
 def _sharded_buckets(rank, world, compiler, cases):
     """Exact attention in sharded mode at shard lengths 10 (static), then 12 and 14 (the shard a
-    symbol: bucket 16, each part padded at its end; Note [Padding shards to a bucket]): equal to
-    the float64 reference, forward and gradients, in two graphs, and every block, forward and
-    backward, computes the real rows and keys of its parts only."""
+    symbol: bucket 16 planned; Note [Padding shards to a bucket]): equal to the float64
+    reference, forward and gradients, in two graphs, and every block, forward and backward,
+    computes the real rows and keys of its parts only, and every transfer sends them only."""
     import ring_rewrite
+    import ring_rewrite.comm.transfers as transfers
     import ring_rewrite.ops as ops
     from ring_rewrite.reference import reference_attention
 
-    seen = []
+    seen, sent = [], []
     for name, at in (("_block_forward", 0), ("_block_backward", 1)):  # where q and k are
 
         def spy(*args, _fn=getattr(ops, name), _at=at, **kwargs):
@@ -512,6 +513,12 @@ def _sharded_buckets(rank, world, compiler, cases):
             return _fn(*args, **kwargs)
 
         setattr(ops, name, spy)
+
+    def start(group_name, token, xs, *args, _fn=transfers._start):
+        sent.extend(tuple(x.shape) for x in xs)
+        return _fn(group_name, token, xs, *args)
+
+    transfers._start = start
     for layout, causal, masked in cases:
         torch._dynamo.reset()
         backend = ring_rewrite.backend(sharding="sharded", layout=layout, compiler=compiler)
@@ -528,6 +535,7 @@ def _sharded_buckets(rank, world, compiler, cases):
             cut = lambda x, dim=2: ring_rewrite.shard(x, dim, layout=layout)  # noqa: E731
             inputs = [cut(x).requires_grad_() for x in (q, k, v)]
             seen.clear()
+            sent.clear()
             out = attend(*inputs, cut(keep, 3) if masked else None)
             got = [out, *torch.autograd.grad(out, inputs, cut(dout))]
             errors = [rel_err(a, cut(b)) for a, b in zip(got, expected)]
@@ -535,9 +543,11 @@ def _sharded_buckets(rank, world, compiler, cases):
             # Each part's real rows (s / 2 a part with zigzag), never the bucket's 16 (8).
             parts = 2 if layout == "zigzag" else 1
             assert seen and all(max(rows) <= s and max(rows) % (s // parts) == 0 for rows in seen), (s, seen)
+            # K/V, dK/dV (B, H, rows, D) and a key bias (B, H, 1, keys): the shard's real rows.
+            assert sent and {x[3] if x[2] == 1 else x[2] for x in sent} == {s}, (s, sent)
         records = backend.records
         assert len(records) == 2 and records[1].plan.n == world * 16, [r.plan.n for r in records]
-        assert records[1].reason.startswith(f"a bucket of {world * 16}: its blocks compute the real rows only")
+        assert records[1].reason.startswith(f"a bucket of {world * 16}: reads, sends and computes the real rows only")
 
 
 @pytest.mark.parametrize(

@@ -658,7 +658,7 @@ def _sharded_lengths(rank: int, world: int) -> None:
         assert _worst(errors)[1] < BOUND, (rank, n, _worst(errors))
     shapes = [r.shapes["query"][2] for r in backend.records]
     assert shapes == [20] * len(ZOO["llama"].sites) + [32] * len(ZOO["llama"].sites), shapes
-    assert all(r.reason.startswith("a bucket of 64: its blocks compute the real rows only") for r in backend.records[-1:])
+    assert all(r.reason.startswith("a bucket of 64: reads, sends and computes the real rows only") for r in backend.records[-1:])
 
 
 def test_two_ranks_sharded_lengths_share_a_graph_per_bucket():
