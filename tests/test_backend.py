@@ -276,3 +276,18 @@ def test_a_users_post_grad_pass_runs_and_the_cache_still_keys_on_the_ring_loweri
         assert compile_and_run() == compiled  # the same key: a cache hit, nothing compiled
         monkeypatch.setattr(type(ours), "uuid", lambda self: b"another ring lowering")
         assert compile_and_run() > compiled  # another key: compiled again, their pass ran
+
+
+def test_the_cache_key_changes_with_our_op_schemas(monkeypatch):
+    """Inductor's compiled code calls our ops with every argument of their schemas: code cached
+    under other schemas (an older ring_rewrite) would call them with arguments they no longer
+    take, so the key hashes them."""
+    from ring_rewrite.inductor_fixes import cache_key
+
+    key = cache_key().uuid()
+    assert cache_key().uuid() == key
+    schemas = torch._C._jit_get_all_schemas()
+    changed = [s for s in schemas if s.name != "ring_rewrite::block_attention"]
+    assert len(changed) == len(schemas) - 1  # the op is there, and is the one dropped
+    monkeypatch.setattr(torch._C, "_jit_get_all_schemas", lambda: changed)
+    assert cache_key().uuid() != key
