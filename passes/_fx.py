@@ -29,12 +29,27 @@ class RoleTracer(fx.proxy.GraphAppendingTracer):
         self.stack_trace = stack_trace
         self.module_stack = module_stack
 
-    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        node = super().create_node(*args, **kwargs)
+    def create_node(self, kind, target, args, kwargs, *rest: Any, **more: Any) -> fx.Node:
+        # A symbol of the graph's shapes read from a shape (a mask's batch under dynamic
+        # shapes, say) goes in as the graph's own node of it, not as a value FX would bake in.
+        args, kwargs = fx.node.map_aggregate((args, kwargs), self._symbol)
+        node = super().create_node(kind, target, args, kwargs, *rest, **more)
         stamp(node, self.site, self.stack_trace)
         if self.module_stack is not None:
             node.meta["nn_module_stack"] = self.module_stack
         return node
+
+
+    def _symbol(self, x: Any) -> Any:
+        if not isinstance(x, torch.SymInt) or x.node.is_constant():
+            return x
+        if not hasattr(self, "_symbols"):
+            self._symbols = {
+                str(v.node.expr): n
+                for n in self.graph.find_nodes(op="placeholder")
+                if isinstance(v := n.meta.get("example_value"), torch.SymInt)
+            }
+        return self._symbols.get(str(x.node.expr), x)
 
 
 def stamp(node: fx.Node, site: int, stack_trace: str | None, **info: Any) -> None:

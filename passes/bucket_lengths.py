@@ -58,7 +58,11 @@ the first of them whole and the last cut to its real rows:
 * gathered (a mask, documents, a band, 16-bit inputs on CPU, layouts ``BranchLayout.in_place``
   refuses): the whole segments in one block call, the last segment's rows up to the most real
   rows of any head in another (``ops.real_calls``), rows and keys past them left out, their
-  out 0 and lse ``-inf``; the padded copies of q, k, v and the mask stay, linear in the bucket.
+  out 0 and lse ``-inf``; the padded copies of q, k, v and the mask stay, linear in the bucket;
+* exact attention not read in place (a mask, 16-bit inputs, no band, documents or dropout): one
+  block over the whole sequence, so the site runs at the real length, as a sharded bucket does
+  (Note [Padding shards to a bucket], ``SitePlan.bucketed``): it takes the unpadded q, k, v and
+  the key bias at the real keys, and nothing of the bucket's size is held.
 
 Not yet: dropout (its draws are fixed per block, so its blocks compute the bucket), and
 replicated mode on more than one rank (its padding comes at the end of the sequence, on the last
@@ -110,7 +114,7 @@ from .find_sdpa import SdpaSite, cross_attention_reason, find_sdpa_sites, is_cal
 from .masks import MaskStructure, key_mask, key_values, mask_structure, sharded_keys_reason
 from .records import records, sharded
 
-__all__ = ["KEYS", "NAME", "REAL", "bucket_lengths", "bucket", "padded_rows", "unpadded_rows"]
+__all__ = ["KEYS", "NAME", "REAL", "bucket_lengths", "bucket", "padded_rows", "real_keys_only", "unpadded_rows"]
 
 NAME = "length_buckets"
 REAL = "ring_rewrite_real_length"
@@ -272,6 +276,12 @@ def _key_mask(q: torch.Tensor, size: int, length, mask: torch.Tensor | None, par
         return keep
     keys = mask.index_select(-1, source)
     return torch.where(keep, keys, False if mask.dtype == torch.bool else float("-inf"))
+
+
+def real_keys_only(node: Any) -> bool:
+    """Whether a padded site's mask ``node`` masks the bucket's padded keys and nothing else
+    (``_key_mask`` of no mask of the caller's): a site at the real length needs none."""
+    return isinstance(node, fx.Node) and node.target is _key_mask and node.args[3] is None
 
 
 def unpadded_rows(x: torch.Tensor, length, parts: int = 1, dim: int = 2) -> torch.Tensor:

@@ -86,7 +86,7 @@ from ring_rewrite.layout import positions as shard_positions
 from ring_rewrite.roles import role
 
 from ._fx import RoleTracer, emit, erase_unused, location, stamp, trace_subgraph
-from .bucket_lengths import KEYS, REAL, padded_rows, unpadded_rows
+from .bucket_lengths import KEYS, REAL, padded_rows, real_keys_only, unpadded_rows
 from .find_sdpa import (
     SdpaSite, bind_sdpa, dense_mask, display_shapes, find_sdpa_sites, is_caller_input, is_decode_step,
     local_positions, sdpa_unsupported_reason, sharded_cache_keys, static_strides,
@@ -250,7 +250,7 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
     hkv, dv = shapes["key"][1], shapes["value"][3]
     sharded = config.sharding == "sharded" and world > 1
     n_global = n * world if sharded else n + pad
-    return SitePlan.build(
+    plan = SitePlan.build(
         site=index,
         batch=b,
         hq=hq,
@@ -278,6 +278,24 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         a2a=config.a2a_ranks,
         bucketed=sharded and site.node.meta.get(REAL) is not None,
     )
+    if not _exact_at_real_length(plan, site):
+        return plan
+    # At the real length there are no padded keys to mask.
+    return dataclasses.replace(plan, bucketed=True, has_mask=plan.has_mask and not real_keys_only(site.attn_mask))
+
+
+def _exact_at_real_length(plan: SitePlan, site: SdpaSite) -> bool:
+    """Whether a site padded to its length bucket in one process can run at its real length
+    (``SitePlan.bucketed``, as a sharded bucket's does): exact attention, one local block over
+    the sequence, no band, documents or dropout (positions and draws the bucket fixes), not
+    read in place (which takes the real rows its own way: Note [Padding to a bucket])."""
+    if plan.world != 1 or site.node.meta.get(REAL) is None or plan.local_in_place:
+        return False
+    if plan.band is not None or plan.documents or plan.dropout or plan.pad:
+        return False
+    (branch, *more) = plan.branches
+    lay = branch.layout
+    return not more and branch.is_local and lay.r == 1 and lay.nseg == 1 and lay.padded == lay.n
 
 
 def _biased(site: SdpaSite, structure: MaskStructure | None) -> bool:
@@ -445,7 +463,7 @@ def _rewrite_site(
                         tracer, functools.partial(_documents, structure, where=site.location), site.query,
                         *structure.data,
                     )  # fmt: skip
-        if structure is None and site.attn_mask is not None:
+        if structure is None and plan.has_mask:
             tracer = RoleTracer(graph, index, stack)
             with role("mask"):
                 bias = emit(
@@ -506,13 +524,14 @@ def _rewrite_site(
         graph.erase_node(cut)
         for padded in (site.query, site.key, site.value):
             erase_unused(graph, padded)
-    if structure is not None:
+    if isinstance(site.attn_mask, fx.Node) and (structure is not None or not plan.has_mask):
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
     if real is None or not _skips_padding(plan) or plan.dropout:
         return None
     rows = "its blocks compute the real rows only"
     if unpadded is not None:
-        rows = "reads, sends and computes the real rows only" if plan.bucketed else "reads and writes the real rows only"
+        sends = plan.bucketed and plan.world > 1
+        rows = "reads, sends and computes the real rows only" if sends else "reads and writes the real rows only"
     return f"a bucket of {plan.n}: {rows}{_computed(plan, real)}"
 
 

@@ -209,6 +209,8 @@ def _dilated(
     if layout.padded == layout.n and (layout.r == 1 or (kv and layout.shared_kv and not rows)):
         if rows:
             ys = list(xs)  # a rank's parts one after another are its sequence
+        elif plan.bucketed:  # one segment at rate 1, at the real length: the rows as they are
+            ys = list(xs)
         else:
             ys = [layout.dilate_kv(x) if kv else layout.dilate_q(x, fill) for x in xs]
         return ys if dtype == plan.dtype else [y.to(dtype) for y in ys]
@@ -235,6 +237,8 @@ def _undilate_add(
     dtype = plan.stat_dtype if rows else plan.compute_dtype
     if total is None and dtype == plan.stat_dtype and layout.r == 1 and layout.padded == layout.n:
         if rows:
+            return y
+        if plan.bucketed:  # one segment at rate 1, at the real length: the site's rows
             return y
         if layout.nseg == 1:
             return y.view(layout.batch, heads, layout.n, last_dim(y, layout.batch))
@@ -419,7 +423,7 @@ class _Inputs:
             local = [_local(plan, x) for x in padded]
             mask_local = None if mask_padded is None else _local(plan, mask_padded)
             docs_padded = None if docs is None else _padded(plan, docs)[0]
-        rows = q.size(2) // layout_of(plan.layout).parts if plan.bucketed else None
+        rows = q.size(2) // layout_of(plan.layout).parts if plan.bucketed and plan.world > 1 else None
         return cls(padded[0], *local[:3], mask_local, docs_padded, *(local[3:] or [None]), real, rows)
 
     def part_rows(self, layout) -> Any:
@@ -585,6 +589,10 @@ class _Forward(_Call):
         branch = self.plan.branches[i]
         if branch.is_local:
             out, lse = self.results.pop(i)
+            if self.plan.bucketed:  # one segment at rate 1, at the real length: the site's rows
+                self.outs.append(out)
+                self.lses.append(lse)
+                return
         else:  # its head chunks side by side, then as the rows of a local branch
             outs, lses = zip(*self.results.pop(i))
             out, lse = _cat_heads(list(outs)), _cat_heads(list(lses))
@@ -852,11 +860,12 @@ class _Backward(_Call):
             # A chunk's sums are final in the input dtype (rounded once), but for dK/dV to which
             # the rings' last hops still add (in stat_dtype).
             kv_dtype = plan.stat_dtype if any(not b.is_local for b in plan.branches) else plan.dtype
+            n = x.q.size(2) if plan.bucketed else plan.n_local  # a bucket's: the real length
             with role("merge"):
                 self.totals = [
-                    x.q.new_empty((plan.batch, plan.hq, plan.n_local, plan.d)),
-                    x.k.new_empty((plan.batch, plan.hkv, plan.n_local, plan.d), dtype=kv_dtype),
-                    x.v.new_empty((plan.batch, plan.hkv, plan.n_local, plan.dv), dtype=kv_dtype),
+                    x.q.new_empty((plan.batch, plan.hq, n, plan.d)),
+                    x.k.new_empty((plan.batch, plan.hkv, n, plan.d), dtype=kv_dtype),
+                    x.v.new_empty((plan.batch, plan.hkv, n, plan.dv), dtype=kv_dtype),
                 ]
         into = self.totals is not None and plan.dtype == plan.stat_dtype
         sums = list(self.totals) if into else [None, None, None]

@@ -162,9 +162,10 @@ class SitePlan:
     """Ranks in each all-to-all group, consecutive ranks of the group: 1 for a ring, ``world``
     for ``"all_to_all"``, in between for ``"hybrid"``."""
     bucketed: bool = False
-    """Whether the plan is a length bucket's, in sharded mode (Note [Padding shards to a
-    bucket]): the site runs on each rank's unpadded shard, more than half of each part's
-    planned rows, and reads, sends and computes only those."""
+    """Whether the plan is a length bucket's and the site runs at the real length: on each
+    rank's unpadded shard in sharded mode (Note [Padding shards to a bucket]), more than half
+    of each part's planned rows, reading, sending and computing only those; in one process on
+    the unpadded sequence, exact attention as one block (Note [Padding to a bucket])."""
 
     @classmethod
     def build(
@@ -316,9 +317,10 @@ class SitePlan:
     def local_in_place(self) -> bool:
         """Whether the local branches read their rows where they lie, forward and backward, and
         add their gradients straight into the site's (Note [Local branches in place]): float32
-        on CPU with ``flash_cpu.c`` built, no bias, band, documents or dropout, no padding."""
+        on CPU with ``flash_cpu.c`` built, no bias, band, documents or dropout, no padding; not
+        a bucket's run at the real length (``bucketed``: one block over the real rows)."""
         local = [b for b in self.branches if b.is_local]
-        if not local or self.dtype != torch.float32 or self.device != "cpu" or self.dropout:
+        if not local or self.dtype != torch.float32 or self.device != "cpu" or self.dropout or self.bucketed:
             return False
         if self.band is not None or self.documents or self.pad:
             return False

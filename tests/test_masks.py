@@ -725,6 +725,54 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
     assert f"compiled at 37 positions: {share:.0%} of the bucket's" in record.reason, record.reason
 
 
+@pytest.mark.parametrize(
+    "name, compiler, dtype",
+    [("hf-causal", "inductor", torch.float32), ("hf-encoder", "aot_eager", torch.bfloat16)],
+)
+def test_an_exact_bucket_runs_at_its_real_length(name, compiler, dtype, monkeypatch):
+    """Exact attention with a dense mask at a symbolic length, in one process: the site is
+    planned for the bucket and runs on the unpadded q, k, v, its key bias at the real keys
+    (``SitePlan.bucketed``): every block, forward and backward, sees the real length, the
+    results equal the float64 reference's across the bucket, one graph."""
+    import ring_rewrite
+    from ring_rewrite import ops
+    from ring_rewrite.reference import reference_attention
+
+    seen = []
+    for name_, at in (("_block_forward", 0), ("_block_backward", 1)):  # where q and k are
+
+        def spy(*args, _fn=getattr(ops, name_), _at=at):
+            seen.append((args[_at].shape[2], args[_at + 1].shape[2]))
+            return _fn(*args)
+
+        monkeypatch.setattr(ops, name_, spy)
+    build = {"hf-causal": hf_causal, "hf-encoder": hf_encoder}[name]
+    backend = ring_rewrite.backend(compiler=compiler)
+
+    def attend(q, k, v, pad):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, pad))
+
+    compiled = torch.compile(attend, backend=backend, dynamic=True)
+    bound = BOUND if dtype == torch.float32 else 1e-2
+    for n in (33, 47, 64):
+        g = torch.Generator().manual_seed(n)
+        q, k, v, dout = (torch.randn(2, 4, n, 8, generator=g).to(dtype) for _ in range(4))
+        pad = _padding(2, n)
+        leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        ref = reference_attention(*leaves, key_bias=build(torch.empty(2, 1, n, 1), pad))
+        expected = [ref, *torch.autograd.grad(ref, leaves, dout.double())]
+        inputs = [x.requires_grad_() for x in (q, k, v)]
+        seen.clear()
+        out = compiled(*inputs, pad)
+        got = [out, *torch.autograd.grad(out, inputs, dout)]
+        errors = [rel_err(a.double(), b) for a, b in zip(got, expected)]
+        assert max(errors) < bound, (name, n, errors)
+        assert seen and set(seen) == {(n, n)}, (n, seen)
+    (record,) = backend.records
+    assert record.plan.bucketed and record.plan.n == 64
+    assert record.reason.startswith("a bucket of 64: reads and writes the real rows only"), record.reason
+
+
 # ---- ALiBi at length --------------------------------------------------------------------------
 
 
@@ -858,3 +906,25 @@ def test_finfo_min_fills_across_ranks_match_reference():
     """The same fills (a key bias and a causal part at the dtype's lowest) at P = 2, replicated,
     dilated, under inductor, with gradients, float32 and float64."""
     run_ranks(2, _min_fills_on_ranks)
+
+
+def test_a_dense_mask_at_a_symbolic_batch_bakes_no_symbol_into_the_graph():
+    """Under dynamic shapes a mask's batch is a symbol too: the rewrite reads it from the
+    graph's own node of it, never baking the value into its nodes (FX warns "Raw SymInt")."""
+    import warnings
+
+    import ring_rewrite
+
+    backend = ring_rewrite.backend(compiler="aot_eager")
+
+    def attend(q, pad):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=hf_causal(q, pad))
+
+    compiled = torch.compile(attend, backend=backend, dynamic=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (33, 47):
+            q = torch.randn(2, 4, n, 8, requires_grad=True)
+            compiled(q, _padding(2, n)).sum().backward()
+    assert not [w for w in caught if "Raw SymInt" in str(w.message)], [str(w.message) for w in caught]
+    assert all(r.rewritten for r in backend.records), [r.reason for r in backend.records]
