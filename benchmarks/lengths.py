@@ -12,7 +12,8 @@ one for a row of a padded batch. Per config and site two compiled functions:
 
 * ``bucketed``: ``dynamic=True``, the length a symbol; the ``length_buckets`` pass pads it to its
   power-of-two bucket (the mask rebuilt at the bucket), and the site's blocks compute only the
-  real rows (Note [Padding to a bucket]): one graph per bucket;
+  real rows, exact attention at the real length (Note [Padding to a bucket]): one graph per
+  bucket;
 * ``specialised``: ``dynamic=False``, one graph per length, no padding.
 
 At each length the two run interleaved, a warm-up step each (the specialised one compiles there)
@@ -25,8 +26,9 @@ length. Graphs: the frames dynamo compiled for each function over all lengths.
 ``--ranks 4``: the same on 4 gloo ranks in sharded mode, zigzag, exact attention. The whole
 batch, ``inputs_embeds (1, N, 3 * 8 * 64)`` (q, k and v side by side) and the ``attention_mask``
 of a row padded by ``N / 16`` tokens, is cut by ``shard_batch``: ``buckets="shards"`` for the
-bucketed function (each rank's shard, a symbol, padded in the graph to its bucket, none of the
-padding computed: Note [Padding shards to a bucket]), ``buckets=False`` for the specialised one;
+bucketed function (each rank's shard, a symbol: the site is planned for its bucket and runs
+at the shard's real length: Note [Padding shards to a bucket]), ``buckets=False`` for the
+specialised one;
 the site is the ``padded`` one (a dense causal mask with the shard's key mask, as transformers
 builds it). Each step runs between barriers; rank 0's medians; the peak rise is the largest of
 any rank's. The LongNet config reads positions (its segments) and is not padded per shard: in

@@ -536,9 +536,9 @@ def _rewrite_site(
 
 
 def _skips_padding(plan: SitePlan) -> bool:
-    """Whether the site's blocks are given the real length of its bucket: in one process, or
-    sharded with each shard padded (``bucket_lengths`` pads a shard only where the ring's
-    blocks can skip it: Note [Padding shards to a bucket])."""
+    """Whether the site learns the real length of its bucket: in one process (its blocks skip
+    the padding, or it runs at the real length), or sharded, where it runs at each shard's real
+    length and the call's header carries it (Note [Padding shards to a bucket])."""
     return plan.world == 1 or plan.sharding == "sharded"
 
 

@@ -328,8 +328,8 @@ def shard_batch(
             (masked LM, token classification). Default: ``True``.
         buckets: ``True``: pad the length up to the next power of two (one compiled graph per
             bucket, the padding computed); ``"shards"``: pad only to a multiple of the shards
-            and let the compiled graph pad each shard to its bucket, computing none of it (one
-            graph per bucket for exact attention on the ring with causal or key-padding masks;
+            and let the compiled graph plan each shard for its bucket and run it at its real
+            length (one graph per bucket for exact attention on the ring with causal or key-padding masks;
             an ``attention_mask`` is always given; a batch with ``position_ids`` is padded as
             with ``True``); ``False``: pad only to a multiple of the shards. Default: ``True``.
         multiple_of: the padded length is also a multiple of this (a dilated config needs each

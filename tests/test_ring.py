@@ -491,7 +491,7 @@ def test_dynamic_lengths_across_ranks():
     run_ranks(2, _dynamic_lengths)
 
 
-# ---- sharded mode: each shard padded to its bucket, none of the padding computed ----------------
+# ---- sharded mode: a bucket's plan, run at each shard's real length ------------------------------
 
 
 def _sharded_buckets(rank, world, compiler, cases):
@@ -559,7 +559,7 @@ def _sharded_buckets(rank, world, compiler, cases):
     ],
     ids=["P2-inductor", "P2-aot_eager", "P4-inductor"],
 )
-def test_sharded_lengths_pad_each_shard_and_compute_only_real_rows(world, compiler, cases):
+def test_sharded_lengths_run_at_the_shards_real_length(world, compiler, cases):
     run_ranks(world, _sharded_buckets, compiler, cases)
 
 
