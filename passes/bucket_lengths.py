@@ -59,13 +59,13 @@ the first of them whole and the last cut to its real rows:
   refuses): the whole segments in one block call, the last segment's rows up to the most real
   rows of any head in another (``ops.real_calls``), rows and keys past them left out, their
   out 0 and lse ``-inf``; the padded copies of q, k, v and the mask stay, linear in the bucket;
-* exact attention not read in place (a mask, 16-bit inputs, no band, documents or dropout): one
+* exact attention not read in place (a mask, 16-bit inputs, dropout; no band or documents): one
   block over the whole sequence, so the site runs at the real length, as a sharded bucket does
   (Note [Padding shards to a bucket], ``SitePlan.bucketed``): it takes the unpadded q, k, v and
   the key bias at the real keys, and nothing of the bucket's size is held.
 
-Not yet: dropout (its draws are fixed per block, so its blocks compute the bucket), and
-replicated mode on more than one rank (its padding comes at the end of the sequence, on the last
+Not yet: dropout of a dilated config (its draws are fixed per block, so its blocks compute the
+bucket), and replicated mode on more than one rank (its padding comes at the end of the sequence, on the last
 ranks, and is computed).
 
 Note [Padding shards to a bucket]
@@ -76,7 +76,7 @@ ranks and the work on the others; so each rank pads each part of its shard at it
 to ``L / parts`` rows (``padded_rows``' ``parts``): the site sees a sequence of ``P * L`` with
 the padding inside it, the real tokens in their order. That is the same function only where no
 position is read as a number, so only such sites are padded (``_per_shard``): exact attention on
-the ring (``comm="ring"``, one branch, rate 1 over the whole sequence), no dropout, and no mask
+the ring (``comm="ring"``, one branch, rate 1 over the whole sequence), and no mask
 or a mask of a causal band and key conjuncts that read the caller's tensors (a sliding window,
 ALiBi and packed documents read positions; those specialise). Their mask is rebuilt over the
 padded keys (``KEYS``: each rank's keys' values, padding masked, read as the caller's tensors
@@ -184,12 +184,12 @@ def _symbolic_length(site: SdpaSite) -> tuple[torch.SymInt, MaskStructure | None
 
 def _per_shard(site: SdpaSite, n: torch.SymInt, structure: MaskStructure | None, config: RingDilatedConfig) -> bool:
     """Whether a sharded site's shards can each be padded to a bucket (Note [Padding shards to
-    a bucket]): exact attention on the ring, no dropout, and a mask that reads no position
+    a bucket]): exact attention on the ring, and a mask that reads no position
     (causal, key masks); each shard cut into the layout's parts whole."""
     world = resolve_group(config.group)[1]
     size = world * bucket(n.node.hint)
     ((w, r), *more) = config.branches(size)  # one branch: the shard's rows are its rows
-    if more or r != 1 or w < size or config.comm != "ring" or site.dropout_p:
+    if more or r != 1 or w < size or config.comm != "ring":
         return False
     if structure is not None:
         if structure.documents is not None or structure.positions is not None or structure.reads_key_positions:

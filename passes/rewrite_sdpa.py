@@ -287,11 +287,11 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
 def _exact_at_real_length(plan: SitePlan, site: SdpaSite) -> bool:
     """Whether a site padded to its length bucket in one process can run at its real length
     (``SitePlan.bucketed``, as a sharded bucket's does): exact attention, one local block over
-    the sequence, no band, documents or dropout (positions and draws the bucket fixes), not
+    the sequence, no band or documents (positions the bucket fixes), not
     read in place (which takes the real rows its own way: Note [Padding to a bucket])."""
     if plan.world != 1 or site.node.meta.get(REAL) is None or plan.local_in_place:
         return False
-    if plan.band is not None or plan.documents or plan.dropout or plan.pad:
+    if plan.band is not None or plan.documents or plan.pad:
         return False
     (branch, *more) = plan.branches
     lay = branch.layout
@@ -526,7 +526,7 @@ def _rewrite_site(
             erase_unused(graph, padded)
     if isinstance(site.attn_mask, fx.Node) and (structure is not None or not plan.has_mask):
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
-    if real is None or not _skips_padding(plan) or plan.dropout:
+    if real is None or not _skips_padding(plan) or plan.dropout and not plan.bucketed:
         return None
     rows = "its blocks compute the real rows only"
     if unpadded is not None:

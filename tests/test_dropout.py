@@ -29,12 +29,14 @@ def _attend(causal, gqa):
     return attend
 
 
-def _inputs(hq, hkv, n):
-    """``q, k`` and values ``[v | I]`` (B = 2): the last ``n`` channels of the output are the
-    probabilities the call used."""
+def _inputs(hq, hkv, n, width=None):
+    """``q, k`` and values ``[v | I]`` (B = 2), ``I`` the ``n`` keys' identity in ``width``
+    channels (``n`` by default): the output's channels ``D .. D + n`` are the probabilities the
+    call used."""
+    width = width or n
     q, k, v = (torch.randn(2, h, n, D, dtype=torch.float64) for h in (hq, hkv, hkv))
-    eye = torch.eye(n, dtype=torch.float64).expand(2, hkv, n, n)
-    return q, k, torch.cat([v, eye], -1), torch.randn(2, hq, n, D + n, dtype=torch.float64)
+    eye = torch.eye(n, width, dtype=torch.float64).expand(2, hkv, n, width)
+    return q, k, torch.cat([v, eye], -1), torch.randn(2, hq, n, D + width, dtype=torch.float64)
 
 
 def _expected(config, q, k, v, causal):
@@ -65,17 +67,18 @@ def _sample_function(config, q, k, v, causal, used, counts):
     return (weights @ v.unsqueeze(2)).flatten(1, 2)
 
 
-def _check(attend, config, causal, hq, hkv, n, *, cut=None, gather=None, draws=DRAWS):
+def _check(attend, config, causal, hq, hkv, n, *, cut=None, gather=None, draws=DRAWS, width=None):
     """One call checked exactly against its sample function, then ``draws`` calls against the
     expectation. ``cut`` takes this rank's tokens (sharded mode), ``gather`` puts the rows of
-    every rank back together."""
+    every rank back together; ``width``: the channels of the values' identity (``_inputs``)."""
     cut = cut or (lambda x: x)
     gather = gather or (lambda x: x)
-    q, k, v, dout = _inputs(hq, hkv, n)
+    q, k, v, dout = _inputs(hq, hkv, n, width)
+    probs_at = slice(D, D + n)
     inputs = [cut(x).float().requires_grad_() for x in (q, k, v)]
     out = attend(*inputs)
     grads = torch.autograd.grad(out, inputs, cut(dout).float())
-    used = gather(out.detach().double()[..., D:])
+    used = gather(out.detach().double()[..., probs_at])
     expected_out, counts = _expected(config, q, k, v, causal)
 
     # 1. The sample: this call's output and gradients are those of the function it drew.
@@ -95,14 +98,14 @@ def _check(attend, config, causal, hq, hkv, n, *, cut=None, gather=None, draws=D
         got = gather(attend(*inputs).detach().double())  # with grad: the graph compiled above
         total += got
         squares += got**2
-        dropped += ((got[..., D:] == 0) & connected).sum().item()
+        dropped += ((got[..., probs_at] == 0) & connected).sum().item()
         entries += got.shape[0] * connected.sum().item()
     mean = total / draws
-    probs = expected_out[..., D:]
+    probs = expected_out[..., probs_at]
     sd = (probs**2 * P_DROP / ((1 - P_DROP) * counts.clamp_min(1))).sqrt() / draws**0.5
-    z = ((mean[..., D:] - probs) / sd)[sd > 0]
+    z = ((mean[..., probs_at] - probs) / sd)[sd > 0]
     assert z.abs().max() < 6 and 0.8 < (z**2).mean() < 1.2, (z.abs().max(), (z**2).mean())
-    assert (mean[..., D:][sd == 0] == probs[sd == 0]).all()  # never a probability where none is
+    assert (mean[..., probs_at][sd == 0] == probs[sd == 0]).all()  # never a probability where none is
     out_sd = (squares / draws - mean**2).clamp_min(0).sqrt()[..., :D] / draws**0.5
     z_out = (mean[..., :D] - expected_out[..., :D]) / out_sd.clamp_min(1e-12)
     assert z_out.abs().max() < 6, z_out.abs().max()
@@ -159,3 +162,45 @@ def _on_ranks(rank, world):
 def test_dropout_across_ranks():
     """P = 2 under the default compiler, both sharding modes: each rank draws for its own rows."""
     run_ranks(2, _on_ranks)
+
+
+def _bucket_check(attend, backend, hq, hkv, *, world=1, cut=None, gather=None, draws=DRAWS):
+    """``attend`` compiled with dynamic shapes at 20 and then 24 positions: one graph for the
+    bucket of 32, run at the real length (``SitePlan.bucketed``), each call's dropout that of
+    the function it drew."""
+    for n in (20, 24):
+        _check(attend, CONFIGS["exact"], True, hq, hkv, n, cut=cut, gather=gather, draws=draws, width=32)
+    # One graph (dynamo may trace it twice): the bucket's, compiled at the first length.
+    for record in backend.records:
+        assert record.plan.bucketed and record.plan.dropout == P_DROP and record.plan.n == 32, record.reason
+        assert record.reason.startswith("a bucket of 32: reads"), record.reason
+        assert f"compiled at {20 // world} positions" in record.reason, record.reason
+
+
+def test_dropout_at_a_length_in_a_bucket_runs_at_the_real_length():
+    import ring_rewrite
+
+    backend = ring_rewrite.backend(compiler="inductor")
+    attend = torch.compile(_attend(True, gqa=True), backend=backend, fullgraph=True, dynamic=True)
+    _bucket_check(attend, backend, 4, 2)
+
+
+def _bucket_on_ranks(rank, world):
+    import ring_rewrite
+    import torch.distributed as dist
+
+    def gather(x):
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous())
+        return ring_rewrite.layout.assemble(torch.stack(parts), 2, x.shape[2], world=world, layout="zigzag")
+
+    torch.manual_seed(0)
+    backend = ring_rewrite.backend(sharding="sharded", layout="zigzag")
+    attend = torch.compile(_attend(True, gqa=False), backend=backend, fullgraph=True, dynamic=True)
+    cut = lambda x: ring_rewrite.shard(x, 2, layout="zigzag")  # noqa: E731
+    _bucket_check(attend, backend, 4, 4, world=world, cut=cut, gather=gather, draws=50)
+
+
+def test_dropout_in_a_sharded_bucket_runs_at_the_real_length():
+    """P = 2, sharded, zigzag: each rank's shard a symbol, the bucket's plan run at its real rows."""
+    run_ranks(2, _bucket_on_ranks)
