@@ -68,8 +68,12 @@ or inf. Where each path makes it so:
 * aten's kernel (float64, a bias, or no C compiler) multiplies within a block, which would reach
   rows before a NaN under ``is_causal`` and rows with nothing to attend. So a block whose inputs
   are not all finite (one sum each tells) runs ``kernels.nonfinite_forward`` /
-  ``nonfinite_backward`` instead: the same attention in torch, in row chunks, each product over
-  the connected pairs only (``kernels._pairs_product``).
+  ``nonfinite_backward`` instead: the same attention in torch, in float64, in row chunks, each
+  product over the connected pairs only (``kernels._pairs_product``). A block call whose q, k, v
+  or bias are not all finite takes that path whichever kernel the CPU's choice names, forward
+  and backward alike: the backward then recomputes the probabilities as its forward computed
+  them (a float32 forward of one kernel and a backward of another put dq's cancelling terms, at
+  scores of 169, 5e-5 off: campaign seed 310988). The in-place kernels above keep their own.
 * Merges (``merge.py``, the ring's) keep a NaN lse (``torch.maximum`` propagates it), and the
   ring's dK/dV and dq sums are plain adds.
 

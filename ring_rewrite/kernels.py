@@ -102,7 +102,9 @@ def _pad_last(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _cpu_forward(q, k, v, bias, scale, is_causal):
-    if cpu_kernel.serves(q, k, v, bias=bias):
+    # A NaN or inf: the careful path, forward and backward alike (``_cpu_backward``).
+    finite = not (q.shape[2] and k.shape[2]) or _finite(q, k, v, bias=bias)
+    if finite and cpu_kernel.serves(q, k, v, bias=bias):
         name = cpu_kernel.choose(_cpu_class(q, k, v, is_causal), _ATEN).forward
         if name != "aten":
             return cpu_kernel.forward(q, k, v, scale, is_causal, variant=name)
@@ -110,7 +112,11 @@ def _cpu_forward(q, k, v, bias, scale, is_causal):
 
 
 def _cpu_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
-    if cpu_kernel.serves(dout, q, k, v, out, lse, bias=bias):
+    # A block whose forward took the careful path (a NaN or inf in q, k, v or the bias) takes it
+    # backward too: it recomputes the probabilities as the forward computed them, in float64
+    # (Note [Non-finite values]).
+    finite = not (q.shape[2] and k.shape[2]) or _finite(q, k, v, bias=bias)
+    if finite and cpu_kernel.serves(dout, q, k, v, out, lse, bias=bias):
         name = cpu_kernel.choose(_cpu_class(q, k, v, is_causal), _ATEN).backward
         if name != "aten":
             return cpu_kernel.backward(dout, q, k, v, out, lse, scale, is_causal, variant=name)
@@ -201,8 +207,8 @@ def _finite(*xs: torch.Tensor, bias: torch.Tensor | None = None, lse: torch.Tens
 
 
 NONFINITE_CHUNK = 1 << 22
-"""Scores, or terms of a non-finite row's products, per chunk on the careful path (16 MiB of
-float32)."""
+"""Scores, or terms of a non-finite row's products, per chunk on the careful path (32 MiB of
+float64)."""
 
 
 def _pairs(bias, is_causal: bool, r0: int, r1: int, keys: int, device) -> torch.Tensor | None:
@@ -263,7 +269,7 @@ def nonfinite_forward(q, k, v, bias, scale, is_causal):
     the float64 function, and nothing else (Note [Non-finite values] in cpu_kernel.py): a row is
     NaN (its lse too) where a score is NaN or ``+inf``, and a value row's NaN or inf reaches only
     the rows that attend to it."""
-    dtype = torch.promote_types(q.dtype, torch.float32)
+    dtype = torch.float64
     kx, vx = _per_query_head(k, q.shape[1], dtype), _per_query_head(v, q.shape[1], dtype)
     outs, lses = [], []
     for r0, r1 in _careful_rows(q, k.shape[2]):
@@ -283,7 +289,7 @@ def nonfinite_backward(dout, q, k, v, out, lse, bias, scale, is_causal):
     ``lse``, ``+inf`` where a row has nothing to attend), where some input holds a NaN or inf:
     a row whose lse is NaN has P = NaN on every key it attends to, and no product multiplies a
     NaN or inf by the 0 of a pair that does not attend (a dead row's included)."""
-    dtype = torch.promote_types(q.dtype, torch.float32)
+    dtype = torch.float64
     hq, hkv, keys = q.shape[1], k.shape[1], k.shape[2]
     kx, vx = _per_query_head(k, hq, dtype), _per_query_head(v, hq, dtype)
     dqs = []
