@@ -278,24 +278,25 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
         a2a=config.a2a_ranks,
         bucketed=sharded and site.node.meta.get(REAL) is not None,
     )
-    if not _exact_at_real_length(plan, site):
+    if not _at_real_length(plan, site):
         return plan
     # At the real length there are no padded keys to mask.
     return dataclasses.replace(plan, bucketed=True, has_mask=plan.has_mask and not real_keys_only(site.attn_mask))
 
 
-def _exact_at_real_length(plan: SitePlan, site: SdpaSite) -> bool:
+def _at_real_length(plan: SitePlan, site: SdpaSite) -> bool:
     """Whether a site padded to its length bucket in one process can run at its real length
-    (``SitePlan.bucketed``, as a sharded bucket's does): exact attention, one local block over
-    the sequence, no band or documents (positions the bucket fixes), not
-    read in place (which takes the real rows its own way: Note [Padding to a bucket])."""
+    (``SitePlan.bucketed``, as a sharded bucket's does; Note [Padding to a bucket]): not read in
+    place (which takes the real rows its own way), no band or documents (positions the
+    bucket fixes); with dropout, exact attention only (one block over the
+    sequence: a dilated block's draws are fixed per block)."""
     if plan.world != 1 or site.node.meta.get(REAL) is None or plan.local_in_place:
         return False
     if plan.band is not None or plan.documents or plan.pad:
         return False
     (branch, *more) = plan.branches
     lay = branch.layout
-    return not more and branch.is_local and lay.r == 1 and lay.nseg == 1 and lay.padded == lay.n
+    return not plan.dropout or not more and lay.r == 1 and lay.nseg == 1 and lay.padded == lay.n
 
 
 def _biased(site: SdpaSite, structure: MaskStructure | None) -> bool:
@@ -490,9 +491,12 @@ def _rewrite_site(
             stamp(seed, index, stack, role="dropout")
             args.append(seed)
             names.append("seed")
-        if plan.bucketed:  # the shard's real rows (Note [Padding shards to a bucket])
+        if plan.bucketed:  # the real rows (Note [Padding to a bucket], [Padding shards to a bucket])
             unpadded = _unpadded_inputs(plan, site)
             args[:3] = unpadded
+            if plan.world == 1 and not plan.dropout:  # where the blocks cut segments at the real rows
+                args.append(count)
+                names.append("real")
         elif count is not None:
             args.append(count)
             names.append("real")

@@ -152,7 +152,7 @@ def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None) 
     """This rank's saved ``lse`` with the rows of padding at ``+inf``: the plan's (Note [Padding
     the sequence]) and, in one process, a length bucket's past ``real`` (Note [Padding to a
     bucket]). The backward's blocks take them as dead."""
-    if real is not None:
+    if real is not None and not plan.bucketed:  # a bucket's run at the real length has no other rows
         rows = torch.arange(lse.shape[-1], device=lse.device)
         lse = lse.masked_fill(rows >= real, float("inf"))
     if not plan.pad:
@@ -177,9 +177,9 @@ def _branch_bias(plan: SitePlan, branch: Branch, q: torch.Tensor, mask: torch.Te
     if not plan.needs_bias(branch):
         return None
     layout = branch.layout
+    rows = -1 if plan.bucketed else layout.n  # a bucket's: the keys it has, its real ones
     if mask is None:
-        mask = q.new_zeros(1, 1, 1)
-    rows = -1 if plan.bucketed else layout.n  # a bucket's shard: the keys it has, its real ones
+        mask = q.new_zeros(1, 1, q.size(2) if plan.bucketed else 1)
     keys = mask.to(plan.compute_dtype).unsqueeze(-1).expand(layout.batch, layout.hq, rows, 1)
     (bias,) = _dilated(plan, layout, keys, rows=not branch.is_local, fill=_NEG_INF)
     return bias.transpose(-1, -2)
@@ -206,15 +206,17 @@ def _dilated(
     In ``dtype``: by default the compute dtype, but for a ring's K/V, which travel in the input
     dtype (upcast per block, ``_kv_rows``)."""
     dtype = dtype or (plan.dtype if kv and rows else plan.compute_dtype)
-    if layout.padded == layout.n and (layout.r == 1 or (kv and layout.shared_kv and not rows)):
-        if rows:
-            ys = list(xs)  # a rank's parts one after another are its sequence
-        elif plan.bucketed:  # one segment at rate 1, at the real length: the rows as they are
-            ys = list(xs)
-        else:
-            ys = [layout.dilate_kv(x) if kv else layout.dilate_q(x, fill) for x in xs]
-        return ys if dtype == plan.dtype else [y.to(dtype) for y in ys]
-    return [torch.ops.ring_rewrite.dilate(x, _fields(layout), kv, rows, fill, dtype) for x in xs]
+    views = layout.padded == layout.n and (layout.r == 1 or (kv and layout.shared_kv and not rows))
+    if plan.bucketed and layout.r == 1 or rows and views:
+        # A bucket's rate-1 branch: the site's real rows as they are (its block calls cut them
+        # into segments: ``ops._on_site_rows``); a ring's: a rank's parts one after another
+        # are its sequence.
+        ys = list(xs)
+    elif views and not plan.bucketed:
+        ys = [layout.dilate_kv(x) if kv else layout.dilate_q(x, fill) for x in xs]
+    else:  # gathered; from a bucket's real rows, the rest of its rows past the sequence
+        return [torch.ops.ring_rewrite.dilate(x, _fields(layout), kv, rows, fill, dtype) for x in xs]
+    return ys if dtype == plan.dtype else [y.to(dtype) for y in ys]
 
 
 def _fields(layout) -> list[int]:
@@ -223,27 +225,28 @@ def _fields(layout) -> list[int]:
 
 
 def _undilate_add(
-    plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False, start=0, zero=None
+    plan: SitePlan, total, y: torch.Tensor, layout, *, kv=False, rows=False, start=0, zero=None, length=None
 ) -> torch.Tensor:  # fmt: skip
     """``total`` with ``y``, a branch's dilated gradient (``_dilated``'s layout), added at its rows,
     in place (Note [Gradient sums as calls]); where ``total`` is None, a new one of
     ``y``'s heads in ``stat_dtype``, in which contributions add up (docs/semantics.md, Accuracy), or
     ``y`` itself where its rows are the site's (rate 1, no padding, one segment or a ring's rows).
-    ``y``'s heads are ``total``'s from ``start`` on; with ``zero`` they are written, not added to."""
+    ``y``'s heads are ``total``'s from ``start`` on; with ``zero`` they are written, not added to.
+    A bucket's sums have its real ``length`` of rows (Note [Padding to a bucket])."""
     if zero is None:
         zero = total is None
     heads = layout.hkv if kv else layout.hq
     # A ring's gradients are sums already (``stat_dtype``), a local block's in the compute dtype.
     dtype = plan.stat_dtype if rows else plan.compute_dtype
-    if total is None and dtype == plan.stat_dtype and layout.r == 1 and layout.padded == layout.n:
-        if rows:
-            return y
-        if plan.bucketed:  # one segment at rate 1, at the real length: the site's rows
+    site_rows = plan.bucketed and layout.r == 1 and not rows  # a bucket's rate-1 branch (``_dilated``)
+    if total is None and dtype == plan.stat_dtype and layout.r == 1 and (layout.padded == layout.n or site_rows):
+        if rows or site_rows:
             return y
         if layout.nseg == 1:
             return y.view(layout.batch, heads, layout.n, last_dim(y, layout.batch))
     if total is None:
-        total = y.new_empty((layout.batch, heads, layout.n, y.shape[-1]), dtype=plan.stat_dtype)
+        n = length if plan.bucketed else layout.n
+        total = y.new_empty((layout.batch, heads, n, y.shape[-1]), dtype=plan.stat_dtype)
     torch.ops.ring_rewrite.undilate_add(total, y, _fields(layout), kv, rows, zero, start)
     return total
 
@@ -589,7 +592,7 @@ class _Forward(_Call):
         branch = self.plan.branches[i]
         if branch.is_local:
             out, lse = self.results.pop(i)
-            if self.plan.bucketed:  # one segment at rate 1, at the real length: the site's rows
+            if self.plan.bucketed and branch.layout.r == 1:  # the site's real rows (``_dilated``)
                 self.outs.append(out)
                 self.lses.append(lse)
                 return
@@ -602,8 +605,14 @@ class _Forward(_Call):
                 return
             out, lse = _from_rows(out, branch.layout), _from_rows(lse, branch.layout)
         with role("undilate", branch=i):
-            self.outs.append(branch.layout.undilate_q(out))
-            self.lses.append(branch.layout.undilate_q(lse.unsqueeze(-1), _NEG_INF).squeeze(-1))
+            out, lse = branch.layout.undilate_q(out), branch.layout.undilate_q(lse.unsqueeze(-1), _NEG_INF).squeeze(-1)
+            if self.plan.bucketed:
+                # A bucket's real rows; taken, not sliced: a slice's contiguity (its strides
+                # against its length) would guard on the length.
+                rows = torch.arange(self.inputs.q.size(2), device=out.device)
+                out, lse = out.index_select(2, rows), lse.index_select(2, rows)
+            self.outs.append(out)
+            self.lses.append(lse)
 
     def gather(self, step: Gather) -> None:
         with role("shard"):
@@ -923,9 +932,10 @@ class _Backward(_Call):
         plan, lc, i = self.plan, self.local, step.branch
         layout, dq, dk, dv = lc.branch
         with role("undilate", branch=i):
-            lc.sums[0] = _undilate_add(plan, lc.sums[0], dq, layout, start=lc.starts[0], zero=lc.zero)
-            lc.sums[1] = _undilate_add(plan, lc.sums[1], dk, layout, kv=True, start=lc.starts[1], zero=lc.zero)
-            lc.sums[2] = _undilate_add(plan, lc.sums[2], dv, layout, kv=True, start=lc.starts[1], zero=lc.zero)
+            n = self.inputs.q.size(2)
+            lc.sums[0] = _undilate_add(plan, lc.sums[0], dq, layout, start=lc.starts[0], zero=lc.zero, length=n)
+            lc.sums[1] = _undilate_add(plan, lc.sums[1], dk, layout, kv=True, start=lc.starts[1], zero=lc.zero, length=n)
+            lc.sums[2] = _undilate_add(plan, lc.sums[2], dv, layout, kv=True, start=lc.starts[1], zero=lc.zero, length=n)
         lc.zero = None
         if len(plan.local_chunks()) == 1:
             self.dq, self.dk, self.dv = lc.sums

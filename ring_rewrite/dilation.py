@@ -224,25 +224,29 @@ class BranchLayout:
 
     def _runs(self, x: torch.Tensor, y: torch.Tensor, *, kv: bool, rows: bool):
         """For each kernel head of ``y`` (``gather``'s layout) and each run of its rows that is one
-        strided view of ``x (B, H, n, C)``: ``(x's rows, y's rows)``, views of the same shape,
-        and last, per head, the rows of ``y`` past the sequence (``None`` if no padding)."""
+        strided view of ``x (B, H, n', C)``: ``(x's rows, y's rows)``, views of the same shape,
+        and last, per head, the rows of ``y`` past the sequence (empty if no padding). ``x``
+        holds the layout's ``n`` rows, or fewer: a length bucket's real ones (Note [Padding to a
+        bucket]), the rest of the layout's rows being past the sequence."""
         pairs = _pairs(self, kv)
-        batch, channels = x.shape[0], x.shape[-1]
+        batch, n, channels = x.shape[0], x.shape[2], x.shape[-1]
+        assert n <= self.n, (n, self.n)
         if rows:
             runs = y.view(batch, len(pairs), self.nseg, self.m, channels)
         else:
             runs = y.view(batch, self.nseg, len(pairs), self.m, channels).transpose(1, 2)
-        whole = self.n // self.seg  # segments inside the sequence; a last one may be cut short
+        whole = n // self.seg  # segments inside the sequence; the next one may be cut short
         for a, (h, o) in enumerate(pairs):
             xh = x[:, h]
             if whole:
                 cut = xh.narrow(1, 0, whole * self.seg).view(batch, whole, self.m, self.r, channels)
-                yield cut[:, :, :, o], runs[:, a, :whole], None
+                yield cut[:, :, :, o], runs[:, a, :whole], ()
             if whole < self.nseg:
                 tail = runs[:, a, whole]  # (B, m, C)
                 start = whole * self.seg + o
-                kept = max(0, -(-(self.n - start) // self.r))
-                yield xh[:, start :: self.r], tail.narrow(1, 0, kept), tail.narrow(1, kept, self.m - kept)
+                kept = max(0, -(-(n - start) // self.r))
+                past = (tail.narrow(1, kept, self.m - kept), runs[:, a, whole + 1 :])
+                yield xh[:, start :: self.r], tail.narrow(1, 0, kept), past
 
     def gather(
         self, x: torch.Tensor, *, kv: bool = False, rows: bool = False, fill: float = 0.0,
@@ -254,13 +258,13 @@ class BranchLayout:
 
         One strided copy per kernel head (its head and lattice offset are Python ints here, not
         constants of generated code: Note [Gathers as calls]); rows past the
-        sequence (``padded > n``) get ``fill``.
+        sequence (``padded > n``, or past ``x``'s rows) get ``fill``.
         """
         out = x.new_empty(self.gathered_shape(x.shape[0], x.shape[-1], kv=kv, rows=rows), dtype=dtype)
         for src, dst, past in self._runs(x, out, kv=kv, rows=rows):
             dst.copy_(src)
-            if past is not None:
-                past.fill_(fill)
+            for rest in past:
+                rest.fill_(fill)
         return out
 
     def scatter(self, total: torch.Tensor, y: torch.Tensor) -> None:

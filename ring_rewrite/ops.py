@@ -230,7 +230,10 @@ def _on_real_rows(fn, lay: BranchLayout, real: int, rows: dict, rest: dict, make
     kernel layout's rows, left as they are made elsewhere): the segments all of whose rows are
     real in one call, the next one's first rows (the most real rows of any head) in another, no
     later segment. ``rows`` are the tensors of the kernel layout, cut along their rows (keys
-    for ``bias``, the only dim of ``qpos`` and ``kpos``)."""
+    for ``bias``, the only dim of ``qpos`` and ``kpos``); a bucket's rate-1 branch gives the
+    site's real rows instead (``_on_site_rows``)."""
+    if _site_rows(lay, rows["q"]):
+        return _on_site_rows(fn, lay, rows, rest)
     calls = real_calls(lay, real)
     if calls == [KernelCall(0, lay.nseg, lay.m)]:  # every row real: no copy
         return list(fn(**rows, **rest))
@@ -379,6 +382,46 @@ def _(total, x, start, rows, dtype):
     return x.new_empty((*x.shape[:2], rows, x.shape[3]), dtype=dtype)
 
 
+def _site_rows(lay: BranchLayout, x: torch.Tensor) -> bool:
+    """Whether ``x`` of a rate-1 local branch holds the site's rows ``(B, H, n', C)`` (a length
+    bucket's real ones, ``n' <= n``), not the kernel layout's ``(B * nseg, H, m, C)``: a bucket's
+    rate-1 branch is never gathered (Note [Padding to a bucket]). Where both are one segment of
+    every row, they are the same tensor."""
+    return lay.r == 1 and (x.shape[0], x.shape[2]) != (lay.batch * lay.nseg, lay.m)
+
+
+def _on_site_rows(fn, lay: BranchLayout, rows: dict, rest: dict) -> list:
+    """``fn(**rows, **rest)`` of a rate-1 local branch over the site's real rows ``(B, H, n',
+    ...)`` (``_site_rows``), its results in that layout: the whole segments in one call, their
+    views as the kernel layout's batch, the last one's rows in another. No row is copied in
+    (with a batch of one) and none past ``n'`` exists. Each result is allocated as its first
+    part lands and the part dropped once copied, so that at most one of them is held twice."""
+    n = rows["q"].shape[2]
+    if n <= lay.seg:  # one segment: the kernel layout is the site's
+        return list(fn(**rows, **rest))
+    whole, tail = divmod(n, lay.seg)
+    results: list = []
+    for first, segments, count in ((0, whole, lay.seg), (whole, 1, tail)):
+        if not segments or not count:
+            continue
+
+        def cut(x, dim):
+            if x is None:
+                return None
+            x = x.narrow(dim, first * lay.seg, segments * count).unflatten(dim, (segments, count)).movedim(dim, 1)
+            return x.expand(lay.batch, *x.shape[1:]).flatten(0, 1)
+
+        parts = list(fn(**{name: cut(x, _ROW_DIM.get(name, 2)) for name, x in rows.items()}, **rest))
+        for j in range(len(parts)):
+            part, parts[j] = parts[j], None
+            if len(results) == j:
+                results.append(part.new_empty((lay.batch, part.shape[1], n, *part.shape[3:])))
+            where = results[j].narrow(2, first * lay.seg, segments * count).unflatten(2, (segments, count))
+            where.movedim(2, 1).copy_(part.unflatten(0, (lay.batch, segments)))
+            del part
+    return results
+
+
 @torch.library.custom_op("ring_rewrite::dilate", mutates_args=())
 def dilate(
     x: torch.Tensor, layout: list[int], kv: bool, rows: bool, fill: float, dtype: torch.dtype
@@ -403,9 +446,13 @@ def undilate_add(
     """``y``, a branch's dilated rows in ``dilate``'s layout (``kv``, ``rows`` as there), added in
     place at their positions of heads ``[start, start + H)`` (dim 1) of ``total (B, H', n, C)``,
     ``H`` the layout's kv or query heads; with ``zero``, those heads are zeroed first
-    (``BranchLayout.scatter_add``; Note [Gradient sums as calls])."""
+    (``BranchLayout.scatter_add``; Note [Gradient sums as calls]). ``y`` of a bucket's rate-1
+    branch holds the site's rows (``_site_rows``), ``total``'s real ones."""
     lay = BranchLayout(*layout)
     heads = total.narrow(1, start, lay.hkv if kv else lay.hq)
+    if not rows and _site_rows(lay, y):  # a bucket's rate-1 branch: the site's rows already
+        heads.copy_(y) if zero else heads.add_(y)
+        return
     lay.scatter_add(heads, y, kv=kv, rows=rows, zero=zero)
 
 

@@ -165,7 +165,8 @@ class SitePlan:
     """Whether the plan is a length bucket's and the site runs at the real length: on each
     rank's unpadded shard in sharded mode (Note [Padding shards to a bucket]), more than half
     of each part's planned rows, reading, sending and computing only those; in one process on
-    the unpadded sequence, exact attention as one block (Note [Padding to a bucket])."""
+    the unpadded sequence, a rate-1 branch on its rows, a dilated one gathered from them (Note
+    [Padding to a bucket])."""
 
     @classmethod
     def build(
@@ -318,7 +319,7 @@ class SitePlan:
         """Whether the local branches read their rows where they lie, forward and backward, and
         add their gradients straight into the site's (Note [Local branches in place]): float32
         on CPU with ``flash_cpu.c`` built, no bias, band, documents or dropout, no padding; not
-        a bucket's run at the real length (``bucketed``: one block over the real rows)."""
+        a bucket's run at the real length (``bucketed``: its blocks take the real rows)."""
         local = [b for b in self.branches if b.is_local]
         if not local or self.dtype != torch.float32 or self.device != "cpu" or self.dropout or self.bucketed:
             return False
@@ -329,8 +330,10 @@ class SitePlan:
         return cpu_kernel.available()
 
     def needs_bias(self, branch: Branch) -> bool:
-        # Padded keys sit after every real query, so causal attention never sees them.
-        padded = self.pad or branch.layout.padded != branch.layout.n
+        # Padded keys sit after every real query, so causal attention never sees them. A
+        # bucket's rate-1 branch reads the real rows only; its gathered ones read past them.
+        layout = branch.layout
+        padded = layout.r > 1 if self.bucketed else self.pad or layout.padded != layout.n
         return self.has_mask or (padded and not self.is_causal)
 
 

@@ -685,6 +685,14 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
             return _fn(*args)
 
         monkeypatch.setattr(ops, kind, spy)
+    sources = []  # the rows of every tensor a branch's rows are gathered from
+    gather = ops.BranchLayout.gather
+
+    def gather_spy(self, x, **kwargs):
+        sources.append(x.shape[2])
+        return gather(self, x, **kwargs)
+
+    monkeypatch.setattr(ops.BranchLayout, "gather", gather_spy)
     build, data = {"hf-causal": (hf_causal, _padding), "hf-encoder": (hf_encoder, _padding), "hf-packed": (hf_packed, _packed)}[name]
     segs, rates, batch, heads, bucket = [8, 16], [1, 2], 2, 4, 64
     backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
@@ -701,10 +709,14 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
         )
         expected = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
         calls.clear()
+        sources.clear()
         out = compiled(q, k, v, mask_data)
         got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
         errors = [rel_err(a, b) for a, b in zip(got, expected)]
         assert max(errors) < BOUND, (name, n, errors)
+        # At the real length (SitePlan.bucketed) the dilated branch gathers from the real rows;
+        # packed documents pad q, k, v to the bucket first.
+        assert sources and set(sources) == {bucket if name == "hf-packed" else n}, (n, sources)
         want = sorted(_real_calls(zip(segs, rates), bucket, n, batch, heads))
         for kind in ("_attend", "_attend_backward"):
             ran = sorted((b, rows) for c, b, rows, keys in calls if c == kind and rows == keys)
@@ -721,7 +733,10 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
     report = ring_rewrite.explain(attend, q, q, q, data(batch, 37), dynamic=True, segment_lengths=segs, dilation_rates=rates)
     (record,) = report.records
     assert not record.plan.recentred  # rebuilt at the bucket, its keys are a conjunct still, no bias to recentre
-    assert record.reason.startswith(f"a bucket of {bucket}: its blocks compute the real rows only"), record.reason
+    # Packed documents pad q, k, v to the bucket; the others run on the real rows (SitePlan.bucketed).
+    rows = "its blocks compute" if name == "hf-packed" else "reads and writes"
+    assert record.plan.bucketed == (name != "hf-packed")
+    assert record.reason.startswith(f"a bucket of {bucket}: {rows} the real rows only"), record.reason
     assert f"compiled at 37 positions: {share:.0%} of the bucket's" in record.reason, record.reason
 
 
@@ -741,9 +756,10 @@ def test_an_exact_bucket_runs_at_its_real_length(name, compiler, dtype, monkeypa
     seen = []
     for name_, at in (("_block_forward", 0), ("_block_backward", 1)):  # where q and k are
 
-        def spy(*args, _fn=getattr(ops, name_), _at=at):
-            seen.append((args[_at].shape[2], args[_at + 1].shape[2]))
-            return _fn(*args)
+        def spy(*args, _fn=getattr(ops, name_), _at=at, **kwargs):
+            q, k = (kwargs["q"], kwargs["k"]) if kwargs else args[_at : _at + 2]
+            seen.append((q.shape[2], k.shape[2]))
+            return _fn(*args, **kwargs)
 
         monkeypatch.setattr(ops, name_, spy)
     build = {"hf-causal": hf_causal, "hf-encoder": hf_encoder}[name]
