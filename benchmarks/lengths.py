@@ -18,7 +18,7 @@ one for a row of a padded batch. Per config and site two compiled functions:
 
 At each length the two run interleaved, a warm-up step each (the specialised one compiles there)
 then ``REPEATS`` timed steps, medians; and dense SDPA, eager (aten's CPU flash kernel), for the
-plot (up to ``--dense-max``). The peak RSS rise of one step of each is measured after the timed steps. Check: the bucketed
+plot (up to ``--dense-max``). The peak RSS rise of one step of each is measured after the timed steps (glibc serving buffers of 256 KiB or more by ``mmap``, so that freed tensors leave RSS). Check: the bucketed
 output and gradients equal the specialised ones within 1e-5 (the same function in float32).
 Targets: a bucketed step's time and peak rise within ``TARGET`` of the specialised one's at every
 length. Graphs: the frames dynamo compiled for each function over all lengths.
@@ -54,8 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, for _co
 from _common import (  # noqa: E402
     MIB,
     RESULTS,
+    MMAP_THRESHOLD,
     can_measure_memory,
     machine,
+    malloc_setup,
     peak_increase,
     pyplot,
     rel_err,
@@ -204,6 +206,7 @@ def _sharded_inputs(n: int, buckets) -> tuple:
 
 def _on_rank(rank: int, world: int, lengths: list[int]) -> dict:
     """``measure_sharded`` of every length on this rank; rank 0's results."""
+    malloc_setup()
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(lengths))
     functions = _sharded_functions()
@@ -275,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, c in CONFIGS.items()
         if name in opts.configs
     }
+    malloc_fixed = malloc_setup()  # freed tensors leave RSS: a step's peak is its own
     torch.set_num_threads(THREADS)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(lengths))
     os.environ.setdefault("RING_REWRITE_CPU_KERNEL", "ours")  # no kernel measurement inside a timed step
@@ -325,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {name: c for name, c in configs.items()},
         "runs": runs,
         "graphs": graphs,
+        "malloc_mmap_forced": malloc_fixed,
+        "malloc_mmap_threshold_bytes": MMAP_THRESHOLD,
         "targets": [{"line": line, "met": met} for line, met in lines],
         "checked": checked,
     }

@@ -55,23 +55,23 @@ the first of them whole and the last cut to its real rows:
   and the site takes the unpadded q, k, v and returns the unpadded out
   (``rewrite_sdpa._unpadded_inputs``): the bucket's graph then costs what a graph compiled for
   ``s0`` costs (``benchmarks/lengths.py``);
-* not read in place, without a band or documents (a key mask, 16-bit inputs, layouts
-  ``BranchLayout.in_place`` refuses; exact attention with dropout too): the site runs at the
-  real length, as a sharded bucket does (Note [Padding shards to a bucket],
-  ``SitePlan.bucketed``): it takes the unpadded q, k, v and the key bias at the real keys. A
-  rate-1 branch's blocks read the real rows where they lie, the whole segments in one call and
-  the last one's rows in another (``ops._on_site_rows``); a dilated branch is gathered from the
-  real rows, its rows past them filled (``BranchLayout.gather``; keys masked), and its calls cut
-  to the real rows as above (``ops.real_calls``); outs and gradients go to the real rows only.
-  Of the bucket's size only a dilated branch's gathered rows are held (``1 / r`` of it);
-* with a band or documents (positions the bucket fixes), or dropout in a dilated config: the
-  whole segments in one block call, the last segment's rows up to the most real rows of any
-  head in another (``ops.real_calls``), rows and keys past them left out, their out 0 and lse
-  ``-inf``; the padded copies of q, k, v and the mask stay, linear in the bucket.
+* not read in place, without a band or documents (a key mask, 16-bit inputs, dropout, layouts
+  ``BranchLayout.in_place`` refuses): the site runs at the real length, as a sharded bucket
+  does (Note [Padding shards to a bucket], ``SitePlan.bucketed``): it takes the unpadded q, k, v
+  and the key bias at the real keys. A rate-1 branch's blocks read the real rows where they
+  lie, the whole segments in one call and the last one's rows in another
+  (``ops._on_site_rows``); a dilated branch is gathered from the real rows, its rows past them
+  filled (``BranchLayout.gather``; keys masked), and its calls cut to the real rows as above
+  (``ops.real_calls``); outs and gradients go to the real rows only. Of the bucket's size only
+  a dilated branch's gathered rows are held (``1 / r`` of it);
+* with a band or documents (positions the bucket fixes): the whole segments in one block call,
+  the last segment's rows up to the most real rows of any head in another (``ops.real_calls``),
+  rows and keys past them left out, their out 0 and lse ``-inf``; the padded copies of q, k, v
+  and the mask stay, linear in the bucket.
 
-Not yet: dropout of a dilated config (its draws are fixed per block, so its blocks compute the
-bucket), and replicated mode on more than one rank (its padding comes at the end of the sequence, on the last
-ranks, and is computed).
+With dropout, each of the calls a block is cut into draws a stream of its own (``ops._call_of``,
+Note [Dropout in blocks]). Not yet: replicated mode on more than one rank (its padding comes at
+the end of the sequence, on the last ranks, and is computed).
 
 Note [Padding shards to a bucket]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -288,15 +288,10 @@ def _at_real_length(plan: SitePlan, site: SdpaSite) -> bool:
     """Whether a site padded to its length bucket in one process can run at its real length
     (``SitePlan.bucketed``, as a sharded bucket's does; Note [Padding to a bucket]): not read in
     place (which takes the real rows its own way), no band or documents (positions the
-    bucket fixes); with dropout, exact attention only (one block over the
-    sequence: a dilated block's draws are fixed per block)."""
+    bucket fixes)."""
     if plan.world != 1 or site.node.meta.get(REAL) is None or plan.local_in_place:
         return False
-    if plan.band is not None or plan.documents or plan.pad:
-        return False
-    (branch, *more) = plan.branches
-    lay = branch.layout
-    return not plan.dropout or not more and lay.r == 1 and lay.nseg == 1 and lay.padded == lay.n
+    return plan.band is None and not plan.documents and not plan.pad
 
 
 def _biased(site: SdpaSite, structure: MaskStructure | None) -> bool:
@@ -494,7 +489,7 @@ def _rewrite_site(
         if plan.bucketed:  # the real rows (Note [Padding to a bucket], [Padding shards to a bucket])
             unpadded = _unpadded_inputs(plan, site)
             args[:3] = unpadded
-            if plan.world == 1 and not plan.dropout:  # where the blocks cut segments at the real rows
+            if plan.world == 1:  # the blocks cut segments at the real rows
                 args.append(count)
                 names.append("real")
         elif count is not None:
@@ -530,7 +525,7 @@ def _rewrite_site(
             erase_unused(graph, padded)
     if isinstance(site.attn_mask, fx.Node) and (structure is not None or not plan.has_mask):
         erase_unused(graph, site.attn_mask)  # the dense construction, where nothing else reads it
-    if real is None or not _skips_padding(plan) or plan.dropout and not plan.bucketed:
+    if real is None or not _skips_padding(plan):
         return None
     rows = "its blocks compute the real rows only"
     if unpadded is not None:

@@ -624,9 +624,9 @@ class _Forward(_Call):
 def _real_rows(plan: SitePlan, layout, x: _Inputs) -> dict:
     """A local branch's block call over the real rows only, where the sequence is padded to a
     length bucket (``x.real``, Note [Padding to a bucket]): no real row attends a padded key
-    (after it, or masked), so the rows and keys past them are left out. Not with dropout, whose
-    random draws are fixed per block."""
-    if x.real is None or plan.dropout:
+    (after it, or masked), so the rows and keys past them are left out (with dropout each call
+    draws a stream of its own: ``ops._call_of``)."""
+    if x.real is None:
         return {}
     return {"layout": _fields(layout), "real": x.real}
 

@@ -238,10 +238,10 @@ def _on_real_rows(fn, lay: BranchLayout, real: int, rows: dict, rest: dict, make
     if calls == [KernelCall(0, lay.nseg, lay.m)]:  # every row real: no copy
         return list(fn(**rows, **rest))
     results = make()
-    for call in calls:
+    for j, call in enumerate(calls):
         first, segments, count = call.first, call.segments, call.rows
         cut = {name: _segment_rows(x, lay, first, segments, count, _ROW_DIM.get(name, 2)) for name, x in rows.items()}
-        for total, part in zip(results, fn(**cut, **rest)):
+        for total, part in zip(results, fn(**cut, **_call_of(rest, j))):
             where = total.unflatten(0, (lay.batch, lay.nseg)).narrow(1, first, segments).narrow(3, 0, count)
             where.copy_(part.unflatten(0, (lay.batch, segments)))
     return results
@@ -382,6 +382,14 @@ def _(total, x, start, rows, dtype):
     return x.new_empty((*x.shape[:2], rows, x.shape[3]), dtype=dtype)
 
 
+def _call_of(rest: dict, index: int) -> dict:
+    """``rest`` of one of the calls a block is cut into: with dropout, the block's identifier and
+    the call's, so that no two calls draw the same stream (Note [Dropout in blocks])."""
+    if rest.get("block") is None:
+        return rest
+    return {**rest, "block": [*rest["block"], index]}
+
+
 def _site_rows(lay: BranchLayout, x: torch.Tensor) -> bool:
     """Whether ``x`` of a rate-1 local branch holds the site's rows ``(B, H, n', C)`` (a length
     bucket's real ones, ``n' <= n``), not the kernel layout's ``(B * nseg, H, m, C)``: a bucket's
@@ -411,7 +419,7 @@ def _on_site_rows(fn, lay: BranchLayout, rows: dict, rest: dict) -> list:
             x = x.narrow(dim, first * lay.seg, segments * count).unflatten(dim, (segments, count)).movedim(dim, 1)
             return x.expand(lay.batch, *x.shape[1:]).flatten(0, 1)
 
-        parts = list(fn(**{name: cut(x, _ROW_DIM.get(name, 2)) for name, x in rows.items()}, **rest))
+        parts = list(fn(**{name: cut(x, _ROW_DIM.get(name, 2)) for name, x in rows.items()}, **_call_of(rest, first)))
         for j in range(len(parts)):
             part, parts[j] = parts[j], None
             if len(results) == j:

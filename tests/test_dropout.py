@@ -164,12 +164,12 @@ def test_dropout_across_ranks():
     run_ranks(2, _on_ranks)
 
 
-def _bucket_check(attend, backend, hq, hkv, *, world=1, cut=None, gather=None, draws=DRAWS):
+def _bucket_check(attend, backend, hq, hkv, *, world=1, cut=None, gather=None, draws=DRAWS, config=CONFIGS["exact"]):
     """``attend`` compiled with dynamic shapes at 20 and then 24 positions: one graph for the
     bucket of 32, run at the real length (``SitePlan.bucketed``), each call's dropout that of
     the function it drew."""
     for n in (20, 24):
-        _check(attend, CONFIGS["exact"], True, hq, hkv, n, cut=cut, gather=gather, draws=draws, width=32)
+        _check(attend, config, True, hq, hkv, n, cut=cut, gather=gather, draws=draws, width=32)
     # One graph (dynamo may trace it twice): the bucket's, compiled at the first length.
     for record in backend.records:
         assert record.plan.bucketed and record.plan.dropout == P_DROP and record.plan.n == 32, record.reason
@@ -177,12 +177,16 @@ def _bucket_check(attend, backend, hq, hkv, *, world=1, cut=None, gather=None, d
         assert f"compiled at {20 // world} positions" in record.reason, record.reason
 
 
-def test_dropout_at_a_length_in_a_bucket_runs_at_the_real_length():
+@pytest.mark.parametrize("config", ["exact", "dilated"])
+def test_dropout_at_a_length_in_a_bucket_runs_at_the_real_length(config):
+    """One process, inductor: the dilated config's rate-1 branch cut into whole segments and the
+    last one's rows, its dilated branches cut to the real rows, each call drawing its own stream."""
     import ring_rewrite
 
-    backend = ring_rewrite.backend(compiler="inductor")
+    segs, rates = CONFIGS[config]
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler="inductor")
     attend = torch.compile(_attend(True, gqa=True), backend=backend, fullgraph=True, dynamic=True)
-    _bucket_check(attend, backend, 4, 2)
+    _bucket_check(attend, backend, 4, 2, config=CONFIGS[config])
 
 
 def _bucket_on_ranks(rank, world):
