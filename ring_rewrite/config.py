@@ -47,9 +47,11 @@ class RingDilatedConfig:
             would attend to nothing), no ``(w_i, r_i)`` pair repeats, and there are at most 16
             branches. Default: ``None``.
         group (ProcessGroup or DeviceMesh, optional): the ranks that share the sequence: a
-            ``ProcessGroup``, a 1-D ``DeviceMesh`` (such as ``mesh["cp"]``), or ``None`` for
-            WORLD when ``torch.distributed`` is initialised (one device otherwise).
-            Default: ``None``.
+            ``ProcessGroup``, a 1-D ``DeviceMesh`` (such as ``mesh["cp"]``), with
+            ``comm="hybrid"`` a 2-D ``DeviceMesh`` of dims ``(ring, a2a)`` (each row an
+            all-to-all group of consecutive ranks, the ring across the rows; it sets
+            ``a2a_ranks``), or ``None`` for WORLD when ``torch.distributed`` is initialised (one
+            device otherwise). Default: ``None``.
         sharding (str): ``"replicated"``: every rank runs the model on the whole sequence and
             the rewritten site takes its shard (drop-in); ``"sharded"``: every rank runs the
             model on its own shard (context parallel; cut inputs with ``ring_rewrite.shard`` or
@@ -107,8 +109,9 @@ class RingDilatedConfig:
     rate 1, or some (head, position) would attend to nothing."""
 
     group: Any = None
-    """Process group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or ``None`` for WORLD when
-    ``torch.distributed`` is initialised (single device otherwise)."""
+    """Process group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, a 2-D ``DeviceMesh`` ``(ring,
+    a2a)`` with ``comm="hybrid"``, or ``None`` for WORLD when ``torch.distributed`` is
+    initialised (single device otherwise)."""
 
     sharding: Sharding = "replicated"
     """``"replicated"``: every rank holds the full sequence (drop-in). ``"sharded"``: the
@@ -197,6 +200,8 @@ class RingDilatedConfig:
             raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {self.layout!r}")
         if self.comm not in ("ring", "all_to_all", "hybrid"):
             raise ValueError(f"comm must be 'ring', 'all_to_all' or 'hybrid', got {self.comm!r}")
+        if self.group is not None and _is_mesh(self.group, ndim=2):
+            object.__setattr__(self, "a2a_ranks", _hybrid_mesh(self.group, self.comm, self.a2a_ranks))
         if (self.comm == "hybrid") != (self.a2a_ranks is not None):
             raise ValueError(
                 f"a2a_ranks (ranks in each all-to-all group) goes with comm='hybrid' and only with it; "
@@ -219,7 +224,8 @@ class RingDilatedConfig:
             raise ValueError(f"strict must be a bool, got {self.strict!r}")
         if self.group is not None and not _is_group(self.group):
             raise ValueError(
-                f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(self.group)}"
+                "group must be a ProcessGroup, a 1-D DeviceMesh, a 2-D DeviceMesh (ring, a2a) with "
+                f"comm='hybrid', or None, got {type(self.group)}"
             )
 
     @classmethod
@@ -279,8 +285,37 @@ def _int_tuple(name: str, value: Sequence[int]) -> tuple[int, ...]:
 def _is_group(group: Any) -> bool:
     if dist.is_available() and isinstance(group, dist.ProcessGroup):
         return True
+    return _is_mesh(group, ndim=1) or _is_mesh(group, ndim=2)
+
+
+def _is_mesh(group: Any, *, ndim: int) -> bool:
     try:
         from torch.distributed.device_mesh import DeviceMesh
     except ImportError:  # pragma: no cover - distributed disabled builds
         return False
-    return isinstance(group, DeviceMesh) and group.ndim == 1
+    return isinstance(group, DeviceMesh) and group.ndim == ndim
+
+
+def _hybrid_mesh(mesh: Any, comm: str, a2a_ranks: int | None) -> int:
+    """The all-to-all group size of a 2-D mesh given as a hybrid's group: its dims are ``(ring,
+    a2a)``, each row an all-to-all group of consecutive ranks, the ring across the rows (Note
+    [Heads across ranks]). Raises where the mesh is not that."""
+    if comm != "hybrid":
+        raise ValueError(
+            f"a 2-D DeviceMesh is the (ring, a2a) mesh of comm='hybrid', got comm={comm!r}; "
+            "pass a 1-D mesh (such as mesh['cp']) for a ring or an all-to-all"
+        )
+    size = mesh.size(1)
+    if a2a_ranks is not None and a2a_ranks != size:
+        raise ValueError(
+            f"a2a_ranks={a2a_ranks} but the (ring, a2a) mesh's all-to-all groups hold {size} ranks; "
+            "leave a2a_ranks out, the mesh's last dim sets it"
+        )
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != list(range(ranks[0], ranks[0] + len(ranks))) or not mesh.mesh_dim_names:
+        raise ValueError(
+            f"comm='hybrid' takes a 2-D mesh (ring, a2a) with named dims whose rows are consecutive "
+            f"ranks (the all-to-all groups), got ranks {mesh.mesh.tolist()}; a mesh of (a2a, ring) "
+            "is its transpose: name the dims the other way round when you make it"
+        )
+    return size

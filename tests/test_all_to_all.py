@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import ring_rewrite
 from ring_rewrite.program import Exchange, Gather, build
@@ -29,10 +30,11 @@ def _sdpa(q, k, v, *, is_causal):
 
 def _case(
     rank: int, world: int, compiler: str, layout: str, seg, rates, causal: bool, hq: int, hkv: float, a2a=None,
-    sharding="sharded", n=N,
+    sharding="sharded", n=N, mesh=False,
 ) -> None:  # fmt: skip
     """``hq`` (and ``hkv``) heads per rank of an all-to-all group (of ``a2a`` ranks, or all);
-    in replicated mode every rank holds the whole sequence."""
+    in replicated mode every rank holds the whole sequence. ``mesh``: the hybrid's group given as
+    a 2-D ``(ring, a2a)`` DeviceMesh, which sets ``a2a_ranks``."""
     g = torch.Generator().manual_seed(7)
     group = a2a or world
     q, dout = (torch.randn(2, hq * group, n, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -51,6 +53,8 @@ def _case(
     local = [cut(x.float()).requires_grad_() for x in (q, k, v)]
     comm = "all_to_all" if a2a is None else "hybrid"
     options = dict(sharding=sharding, layout=layout, comm=comm, a2a_ranks=a2a, compiler=compiler, timeout=60)
+    if mesh:
+        options.update(group=init_device_mesh("cpu", (world // a2a, a2a), mesh_dim_names=("ring", "a2a")), a2a_ranks=None)
     if seg is not None:
         options.update(segment_lengths=seg, dilation_rates=rates)
     backend = ring_rewrite.backend(**options)
@@ -227,7 +231,22 @@ def _hybrid(rank: int, world: int, compiler: str) -> None:
     for layout, case in _layouts(world):
         _case(rank, world, compiler, layout, *case, a2a=2)
     _case(rank, world, compiler, "zigzag", [16, 64], [1, 2], True, 1, 1 / 2, a2a=2)  # odd offsets, kv heads copied
+    _case(rank, world, compiler, "zigzag", *CASES[2], a2a=2, mesh=True)  # the group as a (ring, a2a) mesh
     _masked(rank, world, a2a=2)
+    _mesh_refused(world)
+
+
+def _mesh_refused(world: int) -> None:
+    """A 2-D mesh is a hybrid's (ring, a2a) mesh of consecutive rows, and sets a2a_ranks."""
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("ring", "a2a"))
+    assert ring_rewrite.RingDilatedConfig(group=mesh, comm="hybrid").a2a_ranks == 2
+    with pytest.raises(ValueError, match=r"a 2-D DeviceMesh is the \(ring, a2a\) mesh of comm='hybrid'"):
+        ring_rewrite.RingDilatedConfig(group=mesh, sharding="sharded")
+    with pytest.raises(ValueError, match="a2a_ranks=4 but the"):
+        ring_rewrite.RingDilatedConfig(group=mesh, comm="hybrid", a2a_ranks=4)
+    strided = DeviceMesh("cpu", torch.arange(world).view(2, world // 2).T, mesh_dim_names=("ring", "a2a"))
+    with pytest.raises(ValueError, match="rows are consecutive ranks"):
+        ring_rewrite.RingDilatedConfig(group=strided, comm="hybrid")
 
 
 def test_a_two_by_two_hybrid_matches_the_reference_under_inductor():

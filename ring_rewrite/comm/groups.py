@@ -32,7 +32,8 @@ def resolve_group(group) -> tuple[dist.ProcessGroup | None, int, int]:
             return None, 1, 0
         group = dist.group.WORLD
     elif not isinstance(group, dist.ProcessGroup):
-        group = group.get_group()  # a 1-D DeviceMesh
+        # A 1-D DeviceMesh, or a hybrid's (ring, a2a) mesh: all its ranks, row after row.
+        group = (group if group.ndim == 1 else group._flatten()).get_group()
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
