@@ -166,7 +166,8 @@ class Case:
         exchange = ("comm='ring'",) if self.exchange_refused else ()
         if self.sharded:
             return (*values, *exchange, "cannot be rewritten", "branch (w=")
-        return (*values, *exchange) or ("not a band", "rounded")
+        unread = ("not a band", "rounded") if self.refused or not (values or exchange) else ()
+        return (*values, *exchange, *unread)  # a mask it cannot read and heads it cannot split: either
 
     @property
     def refused(self) -> bool:

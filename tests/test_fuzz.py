@@ -32,6 +32,8 @@ FOUND_TWO = {
     81508: "position values that step by 2, sharded: the run-time check raised as it must, and the "
     "campaign did not count its reason among the expected ones",
     200671: "dynamic=True made the scale a symbol, and sharded mode refused the site as computed at run time",
+    360057: "replicated all_to_all with heads that do not split and a mask it cannot read: left alone for "
+    "the mask, and the campaign counted only the heads' reason",
 }
 """The same, of two ranks."""
 
