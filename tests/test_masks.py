@@ -741,6 +741,44 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
 
 
 @pytest.mark.parametrize(
+    "name, segs, rates, compiler",
+    [("hf-causal", [12, 24], [1, 2], "inductor"), ("hf-encoder", [5, 30], [1, 3], "aot_eager")],
+)
+def test_a_bucket_its_segments_do_not_divide_runs_at_the_real_length(name, segs, rates, compiler):
+    """Segments and a rate that do not divide the bucket of 32, GQA: the rate-1 branch's segments
+    fall where the real sequence's do (its last one cut short), the dilated one is gathered from
+    the real rows, and the results equal the float64 reference's at lengths across the bucket,
+    one graph (``SitePlan.bucketed``)."""
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    build = {"hf-causal": hf_causal, "hf-encoder": hf_encoder}[name]
+    backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
+
+    def attend(q, k, v, pad):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q, pad), enable_gqa=True)
+
+    compiled = torch.compile(attend, backend=backend, dynamic=True)
+    for n in (19, 26, 32):
+        g = torch.Generator().manual_seed(n)
+        q, dout = (torch.randn(2, 4, n, 8, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, 2, n, 8, generator=g) for _ in range(2))
+        pad = _padding(2, n)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = compiled(*leaves, pad)
+        got = [out, *torch.autograd.grad(out, leaves, dout)]
+        ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+        kv = [x.repeat_interleave(2, 1) for x in ref_leaves[1:]]
+        ref = reference_attention(
+            ref_leaves[0], *kv, segment_lengths=segs, dilation_rates=rates, key_bias=build(torch.empty(2, 1, n, 1), pad)
+        )
+        expected = [ref, *torch.autograd.grad(ref, ref_leaves, dout.double())]
+        errors = [rel_err(a, b) for a, b in zip(got, expected)]
+        assert max(errors) < BOUND, (name, n, errors)
+    assert [r.plan.bucketed for r in backend.records] == [True], backend.records
+
+
+@pytest.mark.parametrize(
     "name, compiler, dtype",
     [("hf-causal", "inductor", torch.float32), ("hf-encoder", "aot_eager", torch.bfloat16)],
 )
