@@ -32,7 +32,9 @@ specialised one;
 the site is the ``padded`` one (a dense causal mask with the shard's key mask, as transformers
 builds it). Each step runs between barriers; rank 0's medians; the peak rise is the largest of
 any rank's. The LongNet config reads positions (its segments) and is not padded per shard: in
-sharded mode ``shard_batch(buckets=True)`` pads it whole, computed.
+sharded mode ``shard_batch(buckets=True)`` pads it whole, computed. ``--sharding replicated``:
+every rank takes the whole batch (the default mode), the bucketed site cuts its shard from the
+real positions (Note [Padding shards to a bucket]).
 """
 
 from __future__ import annotations
@@ -170,10 +172,10 @@ def _row(where: dict, results: dict, times: dict, peaks: dict) -> dict:
     }
 
 
-def _sharded_functions():
-    """The bucketed and the specialised site of ``measure_sharded``, exact attention in sharded
-    mode, zigzag: ``(embeds (1, s, 3 * H * D), keep (1, s)) -> out (1, H, s, D)``."""
-    backend = ring_rewrite.backend(sharding="sharded", layout="zigzag", timeout=600.0)
+def _sharded_functions(sharding: str):
+    """The bucketed and the specialised site of ``measure_sharded``, exact attention across the
+    ranks, zigzag: ``(embeds (1, s, 3 * H * D), keep (1, s)) -> out (1, H, s, D)``."""
+    backend = ring_rewrite.backend(sharding=sharding, layout="zigzag", timeout=600.0)
 
     def site(embeds, keep):
         q, k, v = embeds.unflatten(2, (3, HEADS, HEAD_DIM)).permute(2, 0, 3, 1, 4)
@@ -193,31 +195,33 @@ def _sharded_functions():
 
 def _sharded_inputs(n: int, buckets) -> tuple:
     """This rank's ``[embeds]`` (a leaf), ``dout`` and ``[keep]`` of ``n`` tokens, cut by
-    ``shard_batch``."""
+    ``shard_batch`` (``buckets`` None: the whole batch, replicated mode's)."""
     g = torch.Generator().manual_seed(n)
     keep = torch.ones(1, n, dtype=torch.long)
     keep[:, n - n // PADDED :] = 0
     whole = {"inputs_embeds": torch.randn(1, n, 3 * HEADS * HEAD_DIM, generator=g), "attention_mask": keep}
-    batch = ring_rewrite.shard_batch(whole, layout="zigzag", buckets=buckets)
+    batch = whole if buckets is None else ring_rewrite.shard_batch(whole, layout="zigzag", buckets=buckets)
     embeds = batch["inputs_embeds"].requires_grad_()
     dout = torch.randn(1, HEADS, embeds.shape[1], HEAD_DIM, generator=g)
     return [embeds], dout, [batch["attention_mask"]]
 
 
-def _on_rank(rank: int, world: int, lengths: list[int]) -> dict:
-    """``measure_sharded`` of every length on this rank; rank 0's results."""
+def _on_rank(rank: int, world: int, args: tuple[list[int], str]) -> dict:
+    """``measure_sharded`` of every length (``args``: the lengths and the sharding) on this rank;
+    rank 0's results."""
+    lengths, sharding = args
     malloc_setup()
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(lengths))
-    functions = _sharded_functions()
+    functions = _sharded_functions(sharding)
     graphs = dict.fromkeys(functions, 0)
-    runs = [measure_sharded(n, functions, graphs) for n in lengths]
+    runs = [measure_sharded(n, functions, graphs, sharding) for n in lengths]
     return {"runs": runs, "graphs": graphs}
 
 
-def measure_sharded(n: int, functions: dict, graphs: dict) -> dict:
+def measure_sharded(n: int, functions: dict, graphs: dict, sharding: str) -> dict:
     """One length on every rank: time, peak rise and the check, bucketed against specialised."""
-    buckets = {"bucketed": "shards", "specialised": False}
+    buckets = {"bucketed": "shards", "specialised": False} if sharding == "sharded" else dict.fromkeys(functions)
     inputs = {name: _sharded_inputs(n, buckets[name]) for name in functions}
     results, times = {}, {name: [] for name in functions}
 
@@ -240,7 +244,8 @@ def measure_sharded(n: int, functions: dict, graphs: dict) -> dict:
         rise = torch.tensor(peak_increase(lambda name=name: step(name)), dtype=torch.float64)
         dist.all_reduce(rise, op=dist.ReduceOp.MAX)
         peaks[name] = rise.item()
-    shard = results["specialised"][0].shape[2]
+    pieces = 2 * dist.get_world_size()  # zigzag's parts: a replicated rank's shard of its real positions
+    shard = results["specialised"][0].shape[2] if sharding == "sharded" else -(-n // pieces) * 2
     return _row({"N": n, "shard": shard, "bucket": 1 << (shard - 1).bit_length()}, results, times, peaks)
 
 
@@ -266,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--masks", nargs="+", choices=MASKS, default=list(MASKS), help="the sites: is_causal, a padded row's dense mask")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--dense-max", type=int, default=16384, help="dense SDPA (the plot's third line) up to this N")
-    parser.add_argument("--ranks", type=int, default=1, help="gloo ranks: more than 1 runs sharded, zigzag, exact attention")
-    parser.add_argument("--out", type=Path, help="the JSON (default results/lengths.json, lengths_sharded.json with --ranks)")
+    parser.add_argument("--ranks", type=int, default=1, help="gloo ranks: more than 1 runs zigzag, exact attention")
+    parser.add_argument("--sharding", choices=["sharded", "replicated"], default="sharded", help="with --ranks: the mode")
+    parser.add_argument("--out", type=Path, help="the JSON (default results/lengths.json, lengths_<sharding>.json with --ranks)")
     opts = parser.parse_args(argv)
-    opts.out = opts.out or RESULTS / ("lengths.json" if opts.ranks == 1 else "lengths_sharded.json")
+    opts.out = opts.out or RESULTS / ("lengths.json" if opts.ranks == 1 else f"lengths_{opts.sharding}.json")
     if not can_measure_memory():
         parser.error("measuring peak RSS needs Linux (/proc/self/clear_refs and VmHWM)")
     lengths = opts.lengths or (QUICK_LENGTHS if opts.quick else LENGTHS)
@@ -286,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     runs, graphs = {}, {}
     if opts.ranks > 1:
         configs = {"exact": None}
-        name = f"exact, padded, {opts.ranks} ranks sharded"
-        print(f"{name}: shard_batch, zigzag", flush=True)
-        result = run_ranks(_on_rank, opts.ranks, lengths)[0]
+        name = f"exact, padded, {opts.ranks} ranks {opts.sharding}"
+        print(f"{name}: {'shard_batch, ' if opts.sharding == 'sharded' else ''}zigzag", flush=True)
+        result = run_ranks(_on_rank, opts.ranks, (lengths, opts.sharding))[0]
         runs[name], graphs[name] = result["runs"], result["graphs"]
     for config_name, config in configs.items() if opts.ranks == 1 else ():
         for mask in opts.masks:
@@ -313,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     checked = all(r["check"] <= 1e-5 for rs in runs.values() for r in rs)
     time_met = all(r["time ratio"] <= TARGET for rs in runs.values() for r in rs)
     peak_met = all(r["peak ratio"] <= TARGET for rs in runs.values() for r in rs)
-    where = "one process" if opts.ranks == 1 else f"{opts.ranks} gloo ranks, sharded through shard_batch, exact attention"
+    where = "one process"
+    if opts.ranks > 1:
+        cut = "sharded through shard_batch" if opts.sharding == "sharded" else "replicated"
+        where = f"{opts.ranks} gloo ranks, {cut}, exact attention"
     lines = [
         (f"{where}: a bucketed step's time within {TARGET}x of the step compiled for its length, every length", time_met),
         (f"{where}: its peak RSS rise within {TARGET}x", peak_met),
@@ -324,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "benchmark": "lengths",
         "ranks": opts.ranks,
+        "sharding": opts.sharding if opts.ranks > 1 else None,
         "machine": record_machine,
         "shape": {"heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "is_causal": True, "padded": f"N // {PADDED} keys"},
         "configs": {name: c for name, c in configs.items()},

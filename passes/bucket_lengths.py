@@ -70,8 +70,9 @@ the first of them whole and the last cut to its real rows:
   and the mask stay, linear in the bucket.
 
 With dropout, each of the calls a block is cut into draws a stream of its own (``ops._call_of``,
-Note [Dropout in blocks]). Not yet: replicated mode on more than one rank (its padding comes at
-the end of the sequence, on the last ranks, and is computed).
+Note [Dropout in blocks]). Replicated mode on more than one rank: below (exact attention on the
+ring); a dilated config there computes the bucket, its padding masked (the padding would lie on
+the last ranks, and segments fix positions).
 
 Note [Padding shards to a bucket]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -96,6 +97,15 @@ in the sequence's order, so every block, transfer and sum of the bucket's progra
 would at a static ``s0``, on the real rows and keys only, and nothing of the bucket's size is
 held. Every rank must hold the same ``s0``: the count goes into the site call's header
 (``comm/calls.py``, ``site_token``'s ``length``), and ranks that differ raise.
+
+In replicated mode the site chooses its cut, so exact attention on the ring runs at the real
+length there too, whatever ``N``: the sequence is padded at its end as in one process
+(``SitePlan.bucketed``), and the site takes the unpadded q, k, v, each rank its shard of the real
+positions cut into ``P * parts`` chunks of ``ceil(N / (P * parts))`` rows
+(``attention._bucket_rows``). The fewer than ``P * parts`` rows past ``N`` come last in the
+sequence: zeros, masked as keys (none is needed with ``is_causal``), dead in the backward, dropped
+from the gathered outputs and gradients. Only positions the ring never reads as numbers make
+this the same function, as above; the header carries ``N``.
 """
 
 from __future__ import annotations

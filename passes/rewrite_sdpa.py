@@ -280,18 +280,24 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
     )
     if not _at_real_length(plan, site):
         return plan
-    # At the real length there are no padded keys to mask.
-    return dataclasses.replace(plan, bucketed=True, has_mask=plan.has_mask and not real_keys_only(site.attn_mask))
+    # At the real length there are no padded keys to mask (but a replicated bucket's own).
+    has_mask = plan.has_mask and (plan.replicated or not real_keys_only(site.attn_mask))
+    return dataclasses.replace(plan, bucketed=True, has_mask=has_mask)
 
 
 def _at_real_length(plan: SitePlan, site: SdpaSite) -> bool:
-    """Whether a site padded to its length bucket in one process can run at its real length
-    (``SitePlan.bucketed``, as a sharded bucket's does; Note [Padding to a bucket]): not read in
-    place (which takes the real rows its own way), no band or documents (positions the
-    bucket fixes)."""
-    if plan.world != 1 or site.node.meta.get(REAL) is None or plan.local_in_place:
+    """Whether a site padded to its length bucket (at the sequence's end) can run at its real
+    length (``SitePlan.bucketed``, as a sharded bucket's does): no band or documents (positions
+    the bucket fixes); in one process not read in place (which takes the real rows its own way,
+    Note [Padding to a bucket]); in replicated mode exact attention on the ring, whose shards
+    it cuts from the real positions (Note [Padding shards to a bucket])."""
+    if site.node.meta.get(REAL) is None or plan.band is not None or plan.documents or plan.pad:
         return False
-    return plan.band is None and not plan.documents and not plan.pad
+    if plan.world == 1:
+        return not plan.local_in_place
+    (branch, *more) = plan.branches
+    exact = not more and branch.r == 1 and branch.w >= plan.n and len(branch.ring) == plan.world
+    return plan.replicated and not plan.exchanged and exact
 
 
 def _biased(site: SdpaSite, structure: MaskStructure | None) -> bool:
@@ -405,7 +411,8 @@ def _real_keys(graph: fx.Graph, plan: SitePlan, bias: fx.Node, real: fx.Node | N
     shard's real rows: ``_unpadded_inputs``); the bias as it is elsewhere."""
     if not plan.bucketed:
         return bias
-    keys = graph.call_function(unpadded_rows, (bias, real, layout_of(plan.layout).parts), {"dim": -1})
+    parts = 1 if plan.world == 1 or plan.replicated else layout_of(plan.layout).parts
+    keys = graph.call_function(unpadded_rows, (bias, real, parts), {"dim": -1})
     stamp(keys, index, stack, role="mask")
     return keys
 
@@ -427,7 +434,7 @@ def _rewrite_site(
             # blocks skip the padding, and where they read every row in place, the site takes
             # the unpadded tensors.
             per_part = real
-            if plan.world > 1:
+            if plan.sharding == "sharded" and plan.world > 1:
                 per_part = graph.call_function(operator.floordiv, (real, layout_of(plan.layout).parts))
                 stamp(per_part, index, stack, role="bucket")
             count = graph.call_function(torch.ops.aten.scalar_tensor.default, (per_part,), {"dtype": torch.int64})
@@ -536,9 +543,9 @@ def _rewrite_site(
 
 def _skips_padding(plan: SitePlan) -> bool:
     """Whether the site learns the real length of its bucket: in one process (its blocks skip
-    the padding, or it runs at the real length), or sharded, where it runs at each shard's real
-    length and the call's header carries it (Note [Padding shards to a bucket])."""
-    return plan.world == 1 or plan.sharding == "sharded"
+    the padding, or it runs at the real length), or across ranks where it runs at each shard's
+    real length and the call's header carries it (Note [Padding shards to a bucket])."""
+    return plan.world == 1 or plan.sharding == "sharded" or plan.bucketed
 
 
 def _computed(plan: SitePlan, real: fx.Node) -> str:
@@ -548,8 +555,9 @@ def _computed(plan: SitePlan, real: fx.Node) -> str:
     n = n.node.hint if isinstance(n, torch.SymInt) else n
     local = [b.layout for b in plan.branches if b.is_local]
     if isinstance(n, int) and plan.world > 1:  # a ring's blocks: each part's real rows and keys
-        share = (n / plan.n_local) ** 2
-        return f"; compiled at {n} positions a shard: {share:.0%} of the bucket's query-key pairs"
+        share = (n / (plan.n if plan.replicated else plan.n_local)) ** 2
+        shard = "" if plan.replicated else " a shard"
+        return f"; compiled at {n} positions{shard}: {share:.0%} of the bucket's query-key pairs"
     if not isinstance(n, int) or not local:
         return ""
     count = functools.partial(kernel_pairs, is_causal=plan.is_causal, in_place=plan.local_in_place)

@@ -124,10 +124,28 @@ _NEG_INF = float("-inf")
 # ---- small pieces ------------------------------------------------------------------------------
 
 
-def _local(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
+def _local(plan: SitePlan, x: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """This rank's shard of ``x`` (``(B, H, N, C)``, or a key ``bias`` ``(B|1, H|1, N)``) in
+    replicated mode; of a bucket, its padding zeros (a bias's ``-inf``: ``_bucket_rows``)."""
     if not plan.replicated:
         return x
-    return take_shard(x, 2, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
+    dim = x.dim() - (1 if bias else 2)
+    if plan.bucketed:
+        rows = _bucket_rows(plan, x.size(dim), x.device)
+        real = rows < x.size(dim)
+        taken = x.index_select(dim, rows.clamp_max(x.size(dim) - 1))
+        return torch.where(real if bias else real.unsqueeze(-1), taken, _NEG_INF if bias else 0.0)
+    return take_shard(x, dim, plan.n, world=plan.world, rank=plan.rank, layout=plan.layout)
+
+
+def _bucket_rows(plan: SitePlan, n, device) -> torch.Tensor:
+    """Replicated mode, a sequence of ``n`` padded to a bucket: the positions this rank's shard
+    holds of it cut into ``P * parts`` chunks of ``ceil(n / (P * parts))``, the last ones past
+    ``n`` (padding: keys masked, rows dead, outputs dropped; Note [Padding shards to a bucket])."""
+    layout = layout_of(plan.layout)
+    pieces = plan.world * layout.parts
+    each = (n + pieces - 1) // pieces
+    return torch.cat([c * each + torch.arange(each, device=device) for c in layout.chunks(plan.rank, plan.world)])
 
 
 def _padded(plan: SitePlan, *xs: torch.Tensor) -> list[torch.Tensor]:
@@ -148,13 +166,16 @@ def _padded_keys(plan: SitePlan, q: torch.Tensor, mask: torch.Tensor | None):
     return torch.nn.functional.pad(mask, (0, plan.pad), value=_NEG_INF)
 
 
-def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None, n) -> torch.Tensor:
     """This rank's saved ``lse`` with the rows of padding at ``+inf``: the plan's (Note [Padding
-    the sequence]) and, in one process, a length bucket's past ``real`` (Note [Padding to a
-    bucket]). The backward's blocks take them as dead."""
+    the sequence]), in one process a length bucket's past ``real`` (Note [Padding to a
+    bucket]), in replicated mode a bucket's past the ``n`` positions (``_bucket_rows``). The
+    backward's blocks take them as dead."""
     if real is not None and not plan.bucketed:  # a bucket's run at the real length has no other rows
         rows = torch.arange(lse.shape[-1], device=lse.device)
         lse = lse.masked_fill(rows >= real, float("inf"))
+    if plan.bucketed and plan.replicated:
+        lse = lse.masked_fill(_bucket_rows(plan, n, lse.device) >= n, float("inf"))
     if not plan.pad:
         return lse
     rows = torch.arange(plan.n, device=lse.device)
@@ -162,13 +183,18 @@ def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None) 
     return lse.masked_fill(held >= plan.n - plan.pad, float("inf"))
 
 
-def _unpadded(plan: SitePlan, x: torch.Tensor) -> torch.Tensor:
+def _unpadded(plan: SitePlan, x: torch.Tensor, n=None) -> torch.Tensor:
+    """``x`` without the rows of padding after its ``n`` positions: the plan's, or a replicated
+    bucket's (taken, not sliced: a slice's contiguity would guard on the length)."""
+    if plan.bucketed and plan.replicated:
+        return x.index_select(2, torch.arange(n, device=x.device))
     return x.narrow(2, 0, plan.n - plan.pad) if plan.pad else x
 
 
 def _gather(plan: SitePlan, rotater: Rotater, x: torch.Tensor, index: int, same=None):
     stacked = rotater.all_gather(x, plan.world, index, same)
-    return assemble(stacked, 2, plan.n_local, world=plan.world, layout=plan.layout)
+    n_local = x.size(2) if plan.bucketed else plan.n_local  # a replicated bucket's real rows
+    return assemble(stacked, 2, n_local, world=plan.world, layout=plan.layout)
 
 
 def _branch_bias(plan: SitePlan, branch: Branch, q: torch.Tensor, mask: torch.Tensor | None):
@@ -301,8 +327,10 @@ def _ring(rotater: Rotater, i: int, branch: Branch) -> Ring:
 
 def _probe(plan: SitePlan, q: torch.Tensor) -> torch.Tensor:
     """A few query values spread over the sequence (replicated mode compares them across
-    ranks): a strided view, then a copy of at most ``Hq * 16`` values, never of all of q."""
-    return q[:1, :, :: max(1, plan.n // 16), 0].reshape(-1)
+    ranks): at most ``Hq * 16`` values, never all of q; taken, not a strided view, whose
+    reshape would guard a bucket's graph on its length's parity."""
+    rows = torch.arange(0, q.size(2), max(1, plan.n // 16), device=q.device)
+    return q[:1, :, :, 0].index_select(-1, rows).reshape(-1)
 
 
 def _band_args(
@@ -424,9 +452,9 @@ class _Inputs:
             padded = _padded(plan, *qkv, *([] if dout is None else [dout]))
             mask_padded = _padded_keys(plan, q, mask)
             local = [_local(plan, x) for x in padded]
-            mask_local = None if mask_padded is None else _local(plan, mask_padded)
+            mask_local = None if mask_padded is None else _local(plan, mask_padded, bias=True)
             docs_padded = None if docs is None else _padded(plan, docs)[0]
-        rows = q.size(2) // layout_of(plan.layout).parts if plan.bucketed and plan.world > 1 else None
+        rows = local[0].size(2) // layout_of(plan.layout).parts if plan.bucketed and plan.world > 1 else None
         return cls(padded[0], *local[:3], mask_local, docs_padded, *(local[3:] or [None]), real, rows)
 
     def part_rows(self, layout) -> Any:
@@ -618,7 +646,7 @@ class _Forward(_Call):
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
             gathered = _gather(self.plan, self.rotater, self.out, step.index, _probe(self.plan, self.inputs.q_padded))
-            self.gathered = _unpadded(self.plan, gathered)
+            self.gathered = _unpadded(self.plan, gathered, self.inputs.q_padded.size(2))
 
 
 def _real_rows(plan: SitePlan, layout, x: _Inputs) -> dict:
@@ -975,7 +1003,8 @@ class _Backward(_Call):
     def gather(self, step: Gather) -> None:
         with role("shard"):
             j = step.index - 1
-            self.grads[j] = _unpadded(self.plan, _gather(self.plan, self.rotater, self.grads[j], step.index))
+            n = self.inputs.q_padded.size(2)
+            self.grads[j] = _unpadded(self.plan, _gather(self.plan, self.rotater, self.grads[j], step.index), n)
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None, real=None):
@@ -987,7 +1016,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         rotater = Rotater(plan.group_name, token)
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
-    lse = _dead_padding(plan, lse, real)
+    lse = _dead_padding(plan, lse, real, q.size(2))
     run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout, real), out, lse, seed)
     for step in build(plan, "backward").steps:
         run.run(step)

@@ -498,7 +498,7 @@ def case(seed: int) -> Case:
     )  # fmt: skip
     if world > 1 and rng.random() < 0.35:
         made = dataclasses.replace(made, comm="all_to_all")
-    if (world == 1 or sharded and made.comm == "ring") and rng.random() < 0.3:
+    if (world == 1 or made.comm == "ring") and rng.random() < 0.3:
         made = dataclasses.replace(made, dynamic=True)
     if nonfinite and made.expect == "rewrite":  # a site left alone is SDPA's business
         made = dataclasses.replace(made, nonfinite=nonfinite)

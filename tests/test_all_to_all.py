@@ -3,6 +3,8 @@ ranks]), against the float64 reference at P = 2 and 4 under inductor, with gradi
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -251,6 +253,44 @@ def _mesh_refused(world: int) -> None:
 
 def test_a_two_by_two_hybrid_matches_the_reference_under_inductor():
     run_ranks(4, _hybrid, "inductor")
+
+
+def _hybrid_in_dp(rank: int, world: int) -> None:
+    """A hybrid whose group is the ``(ring, a2a)`` sub-mesh of a ``(dp, ring, a2a)`` mesh: each
+    dp replica shards its own sequence over its 4 ranks, and matches its own float64 reference."""
+    mesh = init_device_mesh("cpu", (world // 4, 2, 2), mesh_dim_names=("dp", "ring", "a2a"))
+    sub = mesh["ring", "a2a"]
+    g = torch.Generator().manual_seed(100 + mesh.get_local_rank("dp"))
+    q, dout = (torch.randn(2, 4, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 2, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    seg, rates = [16, 64], [1, 2]
+    expected = reference_attention(
+        whole[0], *(x.repeat_interleave(2, 1) for x in whole[1:]), segment_lengths=seg, dilation_rates=rates,
+        is_causal=True,
+    )  # fmt: skip
+    expected.backward(dout)
+    local = [ring_rewrite.shard(x.float(), 2, layout="zigzag", group=sub).requires_grad_() for x in (q, k, v)]
+    backend = ring_rewrite.backend(
+        sharding="sharded", layout="zigzag", comm="hybrid", group=sub, segment_lengths=seg, dilation_rates=rates,
+        timeout=60,
+    )  # fmt: skip
+    out = torch.compile(lambda *x: _sdpa(*x, is_causal=True), backend=backend)(*local)
+    out.backward(ring_rewrite.shard(dout.float(), 2, layout="zigzag", group=sub))
+    (record,) = backend.records
+    assert record.rewritten and (record.plan.comm, record.plan.world, record.plan.a2a) == ("hybrid", 4, 2), record
+    whole_of = lambda x: ring_rewrite.unshard(x, 2, layout="zigzag", group=sub)  # noqa: E731
+    assert rel_err(whole_of(out.detach()), expected.detach()) < BOUND, rank
+    for name, x, ref in zip("qkv", local, whole):
+        assert rel_err(whole_of(x.grad), ref.grad) < BOUND, (name, rank)
+
+
+@pytest.mark.skipif(
+    int(os.environ.get("RING_REWRITE_TEST_RANKS", "4")) < 8,
+    reason="8 ranks, where the suite runs at most 4: RING_REWRITE_TEST_RANKS=8 runs it (README.md, Support)",
+)
+def test_a_hybrid_on_a_sub_mesh_of_a_dp_mesh_matches_the_reference_under_inductor():
+    run_ranks(8, _hybrid_in_dp)
 
 
 def test_a_hybrid_site_rings_across_its_all_to_all_groups():

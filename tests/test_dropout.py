@@ -174,7 +174,8 @@ def _bucket_check(attend, backend, hq, hkv, *, world=1, cut=None, gather=None, d
     for record in backend.records:
         assert record.plan.bucketed and record.plan.dropout == P_DROP and record.plan.n == 32, record.reason
         assert record.reason.startswith("a bucket of 32: reads"), record.reason
-        assert f"compiled at {20 // world} positions" in record.reason, record.reason
+        shard = 20 // world if cut else 20  # sharded: a shard's positions
+        assert f"compiled at {shard} positions" in record.reason, record.reason
 
 
 @pytest.mark.parametrize("config", ["exact", "dilated"])
@@ -198,13 +199,19 @@ def _bucket_on_ranks(rank, world):
         dist.all_gather(parts, x.contiguous())
         return ring_rewrite.layout.assemble(torch.stack(parts), 2, x.shape[2], world=world, layout="zigzag")
 
-    torch.manual_seed(0)
-    backend = ring_rewrite.backend(sharding="sharded", layout="zigzag")
-    attend = torch.compile(_attend(True, gqa=False), backend=backend, fullgraph=True, dynamic=True)
-    cut = lambda x: ring_rewrite.shard(x, 2, layout="zigzag")  # noqa: E731
-    _bucket_check(attend, backend, 4, 4, world=world, cut=cut, gather=gather, draws=50)
+    for sharding in ("sharded", "replicated"):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        backend = ring_rewrite.backend(sharding=sharding, layout="zigzag")
+        attend = torch.compile(_attend(True, gqa=False), backend=backend, fullgraph=True, dynamic=True)
+        if sharding == "sharded":
+            cut = lambda x: ring_rewrite.shard(x, 2, layout="zigzag")  # noqa: E731
+            _bucket_check(attend, backend, 4, 4, world=world, cut=cut, gather=gather, draws=50)
+        else:
+            _bucket_check(attend, backend, 4, 4, world=world, draws=50)
 
 
-def test_dropout_in_a_sharded_bucket_runs_at_the_real_length():
-    """P = 2, sharded, zigzag: each rank's shard a symbol, the bucket's plan run at its real rows."""
+def test_dropout_in_a_bucket_across_ranks_runs_at_the_real_length():
+    """P = 2, zigzag: sharded, each rank's shard a symbol, and replicated, the sequence's length
+    a symbol; the bucket's plan run at the real rows."""
     run_ranks(2, _bucket_on_ranks)

@@ -34,6 +34,9 @@ FOUND_TWO = {
     200671: "dynamic=True made the scale a symbol, and sharded mode refused the site as computed at run time",
     360057: "replicated all_to_all with heads that do not split and a mask it cannot read: left alone for "
     "the mask, and the campaign counted only the heads' reason",
+    400629: "dynamic, replicated zigzag, a dilated site computed whole on every rank: its key bias was cut "
+    "back to the real keys as a zigzag shard's two parts (an index out of bounds at an odd length, "
+    "other keys than the real ones at an even one)",
 }
 """The same, of two ranks."""
 

@@ -494,15 +494,11 @@ def test_dynamic_lengths_across_ranks():
 # ---- sharded mode: a bucket's plan, run at each shard's real length ------------------------------
 
 
-def _sharded_buckets(rank, world, compiler, cases):
-    """Exact attention in sharded mode at shard lengths 10 (static), then 12 and 14 (the shard a
-    symbol: bucket 16 planned; Note [Padding shards to a bucket]): equal to the float64
-    reference, forward and gradients, in two graphs, and every block, forward and backward,
-    computes the real rows and keys of its parts only, and every transfer sends them only."""
-    import ring_rewrite
+def _spy_blocks_and_sends() -> tuple[list, list]:
+    """Lists that fill with the (query rows, key rows) of every block call, forward and
+    backward, and the shape of every tensor a ring transfer sends."""
     import ring_rewrite.comm.transfers as transfers
     import ring_rewrite.ops as ops
-    from ring_rewrite.reference import reference_attention
 
     seen, sent = [], []
     for name, at in (("_block_forward", 0), ("_block_backward", 1)):  # where q and k are
@@ -519,6 +515,18 @@ def _sharded_buckets(rank, world, compiler, cases):
         return _fn(group_name, token, xs, *args)
 
     transfers._start = start
+    return seen, sent
+
+
+def _sharded_buckets(rank, world, compiler, cases):
+    """Exact attention in sharded mode at shard lengths 10 (static), then 12 and 14 (the shard a
+    symbol: bucket 16 planned; Note [Padding shards to a bucket]): equal to the float64
+    reference, forward and gradients, in two graphs, and every block, forward and backward,
+    computes the real rows and keys of its parts only, and every transfer sends them only."""
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    seen, sent = _spy_blocks_and_sends()
     for layout, causal, masked in cases:
         torch._dynamo.reset()
         backend = ring_rewrite.backend(sharding="sharded", layout=layout, compiler=compiler)
@@ -563,20 +571,74 @@ def test_sharded_lengths_run_at_the_shards_real_length(world, compiler, cases):
     run_ranks(world, _sharded_buckets, compiler, cases)
 
 
+def _replicated_buckets(rank, world, compiler, cases):
+    """Exact attention in replicated mode at lengths 20 (static), then 23, 29 and 32 (a symbol:
+    bucket 32 planned): each rank takes its shard of the real positions, cut into ``2P`` parts
+    (zigzag) of ``ceil(N / 2P)``, the last ones past ``N`` padding (Note [Padding shards to a
+    bucket]): equal to the float64 reference, forward and gradients, in two graphs, and every
+    block computes, every transfer sends, those rows only."""
+    import ring_rewrite
+    from ring_rewrite.reference import reference_attention
+
+    seen, sent = _spy_blocks_and_sends()
+    for layout, causal, masked in cases:
+        torch._dynamo.reset()
+        backend = ring_rewrite.backend(layout=layout, compiler=compiler)
+        attend = torch.compile(
+            lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal), backend=backend
+        )
+        parts = 2 if layout == "zigzag" else 1
+        for n in (20, 23, 29, 32):
+            g = torch.Generator().manual_seed(n)
+            q, k, v, dout = (torch.randn(2, 4, n, 8, generator=g) for _ in range(4))
+            keep = (torch.rand(2, 1, 1, n, generator=g) > 0.3) | (torch.arange(n) == 0)
+            leaves = [x.double().requires_grad_() for x in (q, k, v)]
+            ref = reference_attention(*leaves, is_causal=causal, key_bias=keep if masked else None)
+            expected = [ref, *torch.autograd.grad(ref, leaves, dout.double())]
+            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+            seen.clear()
+            sent.clear()
+            out = attend(*inputs, keep if masked else None)
+            got = [out, *torch.autograd.grad(out, inputs, dout)]
+            errors = [rel_err(a, b) for a, b in zip(got, expected)]
+            assert max(errors) < BOUND, (rank, layout, causal, masked, n, errors)
+            each = -(-n // (world * parts))  # a part's rows; the bucket's: 32 / (world * parts)
+            assert seen and {max(rows) for rows in seen} == {each * parts}, (n, seen)
+            assert sent and {x[3] if x[2] == 1 else x[2] for x in sent} == {each * parts}, (n, sent)
+        records = backend.records
+        assert len(records) == 2 and records[1].plan.n == 32, [r.plan.n for r in records]
+        assert records[1].reason.startswith("a bucket of 32: reads, sends and computes the real rows only")
+
+
+@pytest.mark.parametrize(
+    "compiler, cases",
+    [
+        ("inductor", [("zigzag", True, False), ("contiguous", False, True)]),
+        ("aot_eager", [("contiguous", True, False), ("zigzag", False, True)]),
+    ],
+)
+def test_replicated_lengths_run_at_the_real_length(compiler, cases):
+    run_ranks(2, _replicated_buckets, compiler, cases)
+
+
 def _unequal_shards(rank, world):
-    """One graph serves every shard length of a bucket: ranks whose shards differ raise on
-    every rank, naming the lengths, and the next call in step goes on."""
+    """One graph serves every length of a bucket: ranks whose shards (sharded mode) or
+    sequences (replicated mode) differ raise on every rank, naming the lengths, and the next
+    call in step goes on."""
     import ring_rewrite
 
-    attend = torch.compile(
-        lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
-        backend=ring_rewrite.backend(sharding="sharded", compiler="aot_eager"),
-    )
-    for s in (10, 12):
-        attend(torch.randn(1, 2, s, 8))
-    with pytest.raises(ValueError, match=r"shards of different lengths \(rank 0: 12, rank 1: 14 real positions"):
-        attend(torch.randn(1, 2, 14 if rank else 12, 8))
-    assert attend(torch.randn(1, 2, 14, 8)).shape == (1, 2, 14, 8)
+    for sharding, lengths in (("sharded", (10, 12, 14)), ("replicated", (20, 23, 29))):
+        torch._dynamo.reset()
+        attend = torch.compile(
+            lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+            backend=ring_rewrite.backend(sharding=sharding, compiler="aot_eager"),
+        )
+        first, n, other = lengths
+        for s in (first, n):
+            attend(torch.ones(1, 2, s, 8))
+        with pytest.raises(ValueError, match=rf"of different lengths \(rank 0: {n}, rank 1: {other} real positions"):
+            attend(torch.ones(1, 2, other if rank else n, 8))
+        assert attend(torch.ones(1, 2, other, 8)).shape == (1, 2, other, 8)
 
 
 def test_ranks_with_unequal_shards_of_one_bucket_raise():

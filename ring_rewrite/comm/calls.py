@@ -126,7 +126,8 @@ def site_token(site: int, group_name: str, variant: int, timeout_ms: int, length
     (Note [Calls, deadlines and recovery]), then the first token of the call's chain. Tokens
     order the transfers (each op takes one and returns the next) and carry the call's site,
     number and deadline to the ops, for the tags and the errors. ``length`` (a 0-d int64
-    tensor), the real rows of each part of a shard padded to a length bucket, goes into the
+    tensor), the real rows of each part of a shard padded to a length bucket (in replicated
+    mode the sequence's real length), goes into the
     header: the ranks must agree on it, as one graph serves every length of the bucket.
 
     An op, not ``torch.full``: inductor would build one kernel per site index.
@@ -236,16 +237,18 @@ def _round(group, state, header, headers, leftover, timeout):
 
 def _lengths_differ(group, headers: torch.Tensor) -> ValueError | None:
     """The error every rank raises when the ranks open the same call of a bucketed graph with
-    shards of different real lengths (one graph serves every length of a bucket, so nothing
+    sequences or shards of different real lengths (one graph serves every length of a bucket, so nothing
     else tells them apart); None when they agree."""
     lengths = headers[:, _H_LENGTH]
     if bool((lengths == lengths[0]).all()):
         return None
     each = ", ".join(f"rank {global_rank(group, r)}: {int(n)}" for r, n in enumerate(lengths))
     return ValueError(
-        f"ring_rewrite: the ranks hold shards of different lengths ({each} real positions per "
-        "part of a shard); every rank must hold its equal shard of one sequence "
-        "(ring_rewrite.shard and shard_batch cut them so). No transfer of this call was made."
+        f"ring_rewrite: the ranks hold sequences or shards of different lengths ({each} real "
+        "positions: of the sequence in replicated mode, of each part of a shard in sharded mode); "
+        "in replicated mode every rank must hold the same sequence, in sharded mode its equal "
+        "shard of one sequence (ring_rewrite.shard and shard_batch cut them so). No transfer of "
+        "this call was made."
     )
 
 
