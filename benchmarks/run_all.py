@@ -37,6 +37,7 @@ BENCHMARKS = {
     "decode": ("decode.py", [], "decode.json"),
     "lengths": ("lengths.py", [], "lengths.json"),
     "lengths_sharded": ("lengths.py", ["--ranks", "4"], "lengths_sharded.json"),
+    "lengths_replicated": ("lengths.py", ["--ranks", "4", "--sharding", "replicated"], "lengths_replicated.json"),
     "comm_options": ("comm_options.py", [], "comm_options.json"),
 }
 
