@@ -627,15 +627,20 @@ def test_two_ranks_sharded_recipe_matches_reference():
     run_ranks(2, _sharded_recipes, "inductor")  # one pair of processes for every family
 
 
-def _sharded_lengths(rank: int, world: int) -> None:
-    """Batches padded to their longest row, cut by ``shard_batch(buckets="shards")``: after the
-    first length each rank's shard is a symbol the graph pads to its bucket, computing none of
-    the padding (Note [Padding shards to a bucket]). Loss and gradients equal the float64
-    reference's at every length, in two graphs."""
+def _sharded_lengths(rank: int, world: int, sharding: str) -> None:
+    """Batches padded to their longest row: in sharded mode cut by
+    ``shard_batch(buckets="shards")``, after the first length each rank's shard a symbol the graph
+    pads to its bucket; in replicated mode the whole batch, the sequence's length the symbol, each
+    rank's shard cut from its real positions. Either way none of the padding is computed (Note
+    [Padding shards to a bucket]), and loss and gradients equal the float64 reference's at every
+    length, in two graphs."""
     model = ZOO["llama"].build()
-    backend = ring_rewrite.backend(sharding="sharded", layout="zigzag", compiler="inductor")
+    backend = ring_rewrite.backend(sharding=sharding, layout="zigzag", compiler="inductor")
     compiled = torch.compile(model, backend=backend)
-    for n in (40, 52, 34, 60):  # shards of 20 (static), then 26, 18 and 30: bucket 32
+    sharded = sharding == "sharded"
+    # Sharded: shards of 20 (static), then 26, 18 (34 padded to 36) and 30, bucket 32; replicated:
+    # 40, then 53, 37 and 61 (not multiples of the 4 parts), bucket 64.
+    for n in (40, 52, 34, 60) if sharded else (40, 53, 37, 61):
         ids = torch.randint(3, V, (B, n), generator=torch.Generator().manual_seed(n))
         mask = torch.ones(B, n, dtype=torch.long)
         mask[1, n - 7 :] = 0  # right padding of the shorter row
@@ -650,19 +655,24 @@ def _sharded_lengths(rank: int, world: int) -> None:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.nn.functional, "scaled_dot_product_attention", _reference_sdpa({}, [], ()))
             expected = loss(model, whole)
-        got_loss, grads = loss(compiled, ring_rewrite.shard_batch(whole, layout="zigzag", buckets="shards"))
-        torch.distributed.all_reduce(got_loss)
-        for g in grads.values():
-            torch.distributed.all_reduce(g)
+        if sharded:
+            got_loss, grads = loss(compiled, ring_rewrite.shard_batch(whole, layout="zigzag", buckets="shards"))
+            torch.distributed.all_reduce(got_loss)
+            for g in grads.values():
+                torch.distributed.all_reduce(g)
+        else:
+            got_loss, grads = loss(compiled, whole)
         errors = _errors("llama", (got_loss, grads), expected)
         assert _worst(errors)[1] < BOUND, (rank, n, _worst(errors))
     shapes = [r.shapes["query"][2] for r in backend.records]
-    assert shapes == [20] * len(ZOO["llama"].sites) + [32] * len(ZOO["llama"].sites), shapes
+    first, bucket = (20, 32) if sharded else (40, 64)
+    assert shapes == [first] * len(ZOO["llama"].sites) + [bucket] * len(ZOO["llama"].sites), shapes
     assert all(r.reason.startswith("a bucket of 64: reads, sends and computes the real rows only") for r in backend.records[-1:])
 
 
-def test_two_ranks_sharded_lengths_share_a_graph_per_bucket():
-    run_ranks(2, _sharded_lengths)
+@pytest.mark.parametrize("sharding", ["sharded", "replicated"])
+def test_two_ranks_lengths_share_a_graph_per_bucket(sharding):
+    run_ranks(2, _sharded_lengths, sharding)
 
 
 # ---- a new length every batch ---------------------------------------------------------------------
