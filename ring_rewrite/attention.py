@@ -166,15 +166,16 @@ def _padded_keys(plan: SitePlan, q: torch.Tensor, mask: torch.Tensor | None):
     return torch.nn.functional.pad(mask, (0, plan.pad), value=_NEG_INF)
 
 
-def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None, n) -> torch.Tensor:
+def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """This rank's saved ``lse`` with the rows of padding at ``+inf``: the plan's (Note [Padding
     the sequence]), in one process a length bucket's past ``real`` (Note [Padding to a
-    bucket]), in replicated mode a bucket's past the ``n`` positions (``_bucket_rows``). The
-    backward's blocks take them as dead."""
+    bucket]), in replicated mode a bucket's past the positions of the site's ``q``
+    (``_bucket_rows``). The backward's blocks take them as dead."""
     if real is not None and not plan.bucketed:  # a bucket's run at the real length has no other rows
         rows = torch.arange(lse.shape[-1], device=lse.device)
         lse = lse.masked_fill(rows >= real, float("inf"))
     if plan.bucketed and plan.replicated:
+        n = q.size(2)
         lse = lse.masked_fill(_bucket_rows(plan, n, lse.device) >= n, float("inf"))
     if not plan.pad:
         return lse
@@ -183,11 +184,11 @@ def _dead_padding(plan: SitePlan, lse: torch.Tensor, real: torch.Tensor | None, 
     return lse.masked_fill(held >= plan.n - plan.pad, float("inf"))
 
 
-def _unpadded(plan: SitePlan, x: torch.Tensor, n=None) -> torch.Tensor:
-    """``x`` without the rows of padding after its ``n`` positions: the plan's, or a replicated
-    bucket's (taken, not sliced: a slice's contiguity would guard on the length)."""
+def _unpadded(plan: SitePlan, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` without the rows of padding: the plan's, or a replicated bucket's past the positions
+    of the site's ``q`` (taken, not sliced: a slice's contiguity would guard on the length)."""
     if plan.bucketed and plan.replicated:
-        return x.index_select(2, torch.arange(n, device=x.device))
+        return x.index_select(2, torch.arange(q.size(2), device=x.device))
     return x.narrow(2, 0, plan.n - plan.pad) if plan.pad else x
 
 
@@ -646,7 +647,7 @@ class _Forward(_Call):
         with role("shard"):
             # A few query values ride along: the ranks must hold the same sequence.
             gathered = _gather(self.plan, self.rotater, self.out, step.index, _probe(self.plan, self.inputs.q_padded))
-            self.gathered = _unpadded(self.plan, gathered, self.inputs.q_padded.size(2))
+            self.gathered = _unpadded(self.plan, gathered, self.inputs.q_padded)
 
 
 def _real_rows(plan: SitePlan, layout, x: _Inputs) -> dict:
@@ -1003,8 +1004,8 @@ class _Backward(_Call):
     def gather(self, step: Gather) -> None:
         with role("shard"):
             j = step.index - 1
-            n = self.inputs.q_padded.size(2)
-            self.grads[j] = _unpadded(self.plan, _gather(self.plan, self.rotater, self.grads[j], step.index), n)
+            gathered = _gather(self.plan, self.rotater, self.grads[j], step.index)
+            self.grads[j] = _unpadded(self.plan, gathered, self.inputs.q_padded)
 
 
 def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None, token=None, seed=None, real=None):
@@ -1016,7 +1017,7 @@ def site_backward(plan: SitePlan, dout, q, k, v, out, lse, mask=None, docs=None,
         rotater = Rotater(plan.group_name, token)
         if token is not None:
             rotater = Rotater.resume(plan.group_name, token)  # the backward is a call of its own
-    lse = _dead_padding(plan, lse, real, q.size(2))
+    lse = _dead_padding(plan, lse, real, q)
     run = _Backward(plan, rotater, _Inputs.take(plan, (q, k, v), mask, docs, dout, real), out, lse, seed)
     for step in build(plan, "backward").steps:
         run.run(step)
