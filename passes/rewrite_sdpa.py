@@ -287,17 +287,19 @@ def _build(site, structure, config, index, group, world, rank, *, pad) -> SitePl
 
 def _at_real_length(plan: SitePlan, site: SdpaSite) -> bool:
     """Whether a site padded to its length bucket (at the sequence's end) can run at its real
-    length (``SitePlan.bucketed``, as a sharded bucket's does): no band or documents (positions
-    the bucket fixes); in one process not read in place (which takes the real rows its own way,
-    Note [Padding to a bucket]); in replicated mode exact attention on the ring, whose shards
-    it cuts from the real positions (Note [Padding shards to a bucket])."""
-    if site.node.meta.get(REAL) is None or plan.band is not None or plan.documents or plan.pad:
+    length (``SitePlan.bucketed``, as a sharded bucket's does): no documents (ids of the
+    bucket's rows); in one process not read in place (which takes the real rows its own way,
+    Note [Padding to a bucket]), a band or not (a segment's positions, the bucket's too); in
+    replicated mode exact attention on the ring without a band (its blocks' positions are the
+    bucket's parts'), whose shards it cuts from the real positions (Note [Padding shards to a
+    bucket])."""
+    if site.node.meta.get(REAL) is None or plan.documents or plan.pad:
         return False
     if plan.world == 1:
         return not plan.local_in_place
     (branch, *more) = plan.branches
     exact = not more and branch.r == 1 and branch.w >= plan.n and len(branch.ring) == plan.world
-    return plan.replicated and not plan.exchanged and exact
+    return plan.replicated and not plan.exchanged and exact and plan.band is None
 
 
 def _biased(site: SdpaSite, structure: MaskStructure | None) -> bool:

@@ -419,7 +419,10 @@ def _on_site_rows(fn, lay: BranchLayout, rows: dict, rest: dict) -> list:
             x = x.narrow(dim, first * lay.seg, segments * count).unflatten(dim, (segments, count)).movedim(dim, 1)
             return x.expand(lay.batch, *x.shape[1:]).flatten(0, 1)
 
-        parts = list(fn(**{name: cut(x, _ROW_DIM.get(name, 2)) for name, x in rows.items()}, **_call_of(rest, first)))
+        def cut_rows(name, x):  # a band's positions are a segment's, the same in every segment
+            return x.narrow(0, 0, count) if name in ("qpos", "kpos") and x is not None else cut(x, _ROW_DIM.get(name, 2))
+
+        parts = list(fn(**{name: cut_rows(name, x) for name, x in rows.items()}, **_call_of(rest, first)))
         for j in range(len(parts)):
             part, parts[j] = parts[j], None
             if len(results) == j:

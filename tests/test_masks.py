@@ -667,11 +667,16 @@ def _real_calls(branches, bucket: int, n: int, batch: int, heads: int) -> list[t
     return calls
 
 
-@pytest.mark.parametrize("name, compiler", [("hf-causal", "inductor"), ("hf-encoder", "inductor"), ("hf-packed", "aot_eager")])
+@pytest.mark.parametrize(
+    "name, compiler",
+    [("hf-causal", "inductor"), ("hf-encoder", "inductor"), ("hf-packed", "aot_eager"), ("hf-window", "inductor"),
+     ("hf-bidirectional-window", "aot_eager")],
+)  # fmt: skip
 def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch):
     """A dense mask at a symbolic length, padded to its bucket (Note [Padding to a bucket]): every
-    block call, forward and backward, takes the real rows and keys only (``_real_calls``), and
-    the results equal the float64 reference's at lengths across the bucket."""
+    block call, forward and backward, takes the real rows and keys only (``_real_calls``; a
+    band's calls run in chunks of query rows, each with its call's keys), and the results equal
+    the float64 reference's at lengths across the bucket."""
     import ring_rewrite
     from ring_rewrite import ops
     from ring_rewrite.reference import reference_attention
@@ -693,7 +698,10 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
         return gather(self, x, **kwargs)
 
     monkeypatch.setattr(ops.BranchLayout, "gather", gather_spy)
-    build, data = {"hf-causal": (hf_causal, _padding), "hf-encoder": (hf_encoder, _padding), "hf-packed": (hf_packed, _packed)}[name]
+    build, data = {
+        "hf-causal": (hf_causal, _padding), "hf-encoder": (hf_encoder, _padding), "hf-packed": (hf_packed, _packed),
+        "hf-window": (hf_window, _padding), "hf-bidirectional-window": (hf_bidirectional_window, _padding),
+    }[name]  # fmt: skip
     segs, rates, batch, heads, bucket = [8, 16], [1, 2], 2, 4, 64
     backend = ring_rewrite.backend(segment_lengths=segs, dilation_rates=rates, compiler=compiler)
 
@@ -719,11 +727,14 @@ def test_a_masked_bucket_computes_only_its_real_rows(name, compiler, monkeypatch
         assert sources and set(sources) == {bucket if name == "hf-packed" else n}, (n, sources)
         want = sorted(_real_calls(zip(segs, rates), bucket, n, batch, heads))
         for kind in ("_attend", "_attend_backward"):
+            if name.endswith("window"):
+                assert {(b, keys) for c, b, rows, keys in calls if c == kind} == set(want), (n, kind, calls)
+                continue
             ran = sorted((b, rows) for c, b, rows, keys in calls if c == kind and rows == keys)
             assert ran == want and len(ran) == sum(c[0] == kind for c in calls), (n, kind, calls)
     assert torch._dynamo.utils.counters["ring_rewrite"]["bucketed"] == 1
     # explain() says what share of the bucket's query-key pairs those calls compute at 37.
-    causal = name != "hf-encoder"
+    causal = name not in ("hf-encoder", "hf-bidirectional-window")
 
     def pairs(calls):
         return sum(b * (rows * (rows + 1) // 2 if causal else rows * rows) for b, rows in calls)
