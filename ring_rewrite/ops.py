@@ -398,6 +398,15 @@ def _site_rows(lay: BranchLayout, x: torch.Tensor) -> bool:
     return lay.r == 1 and (x.shape[0], x.shape[2]) != (lay.batch * lay.nseg, lay.m)
 
 
+_POSITIONS = ("qpos", "kpos")
+
+
+def _segment_positions(name: str, x, count: int):
+    """A band's positions (``qpos``, ``kpos``: a segment's, the same in every segment) of a
+    call over a segment's first ``count`` rows; any other tensor as it is."""
+    return x.narrow(0, 0, count) if name in _POSITIONS and x is not None else x
+
+
 def _on_site_rows(fn, lay: BranchLayout, rows: dict, rest: dict) -> list:
     """``fn(**rows, **rest)`` of a rate-1 local branch over the site's real rows ``(B, H, n',
     ...)`` (``_site_rows``), its results in that layout: the whole segments in one call, their
@@ -406,7 +415,7 @@ def _on_site_rows(fn, lay: BranchLayout, rows: dict, rest: dict) -> list:
     part lands and the part dropped once copied, so that at most one of them is held twice."""
     n = rows["q"].shape[2]
     if n <= lay.seg:  # one segment: the kernel layout is the site's
-        return list(fn(**rows, **rest))
+        return list(fn(**{name: _segment_positions(name, x, n) for name, x in rows.items()}, **rest))
     whole, tail = divmod(n, lay.seg)
     results: list = []
     for first, segments, count in ((0, whole, lay.seg), (whole, 1, tail)):
@@ -419,8 +428,8 @@ def _on_site_rows(fn, lay: BranchLayout, rows: dict, rest: dict) -> list:
             x = x.narrow(dim, first * lay.seg, segments * count).unflatten(dim, (segments, count)).movedim(dim, 1)
             return x.expand(lay.batch, *x.shape[1:]).flatten(0, 1)
 
-        def cut_rows(name, x):  # a band's positions are a segment's, the same in every segment
-            return x.narrow(0, 0, count) if name in ("qpos", "kpos") and x is not None else cut(x, _ROW_DIM.get(name, 2))
+        def cut_rows(name, x):
+            return _segment_positions(name, x, count) if name in _POSITIONS else cut(x, _ROW_DIM.get(name, 2))
 
         parts = list(fn(**{name: cut_rows(name, x) for name, x in rows.items()}, **_call_of(rest, first)))
         for j in range(len(parts)):

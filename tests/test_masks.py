@@ -791,8 +791,9 @@ def test_a_bucket_its_segments_do_not_divide_runs_at_the_real_length(name, segs,
 
 @pytest.mark.parametrize(
     "name, compiler, dtype",
-    [("hf-causal", "inductor", torch.float32), ("hf-encoder", "aot_eager", torch.bfloat16)],
-)
+    [("hf-causal", "inductor", torch.float32), ("hf-encoder", "aot_eager", torch.bfloat16),
+     ("hf-window", "inductor", torch.float32)],
+)  # fmt: skip
 def test_an_exact_bucket_runs_at_its_real_length(name, compiler, dtype, monkeypatch):
     """Exact attention with a dense mask at a symbolic length, in one process: the site is
     planned for the bucket and runs on the unpadded q, k, v, its key bias at the real keys
@@ -811,7 +812,7 @@ def test_an_exact_bucket_runs_at_its_real_length(name, compiler, dtype, monkeypa
             return _fn(*args, **kwargs)
 
         monkeypatch.setattr(ops, name_, spy)
-    build = {"hf-causal": hf_causal, "hf-encoder": hf_encoder}[name]
+    build = {"hf-causal": hf_causal, "hf-encoder": hf_encoder, "hf-window": hf_window}[name]
     backend = ring_rewrite.backend(compiler=compiler)
 
     def attend(q, k, v, pad):
