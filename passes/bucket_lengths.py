@@ -57,11 +57,12 @@ the first of them whole and the last cut to its real rows:
   ``s0`` costs (``benchmarks/lengths.py``);
 * not read in place, without documents (a key mask, a band such as a sliding window, 16-bit
   inputs, dropout, layouts ``BranchLayout.in_place`` refuses): the site runs at the real
-  length, as a sharded bucket does (Note [Padding shards to a bucket], ``SitePlan.bucketed``): it takes the unpadded q, k, v
-  and the key bias at the real keys. A rate-1 branch's blocks read the real rows where they
-  lie, the whole segments in one call and the last one's rows in another
-  (``ops._on_site_rows``; a band's positions are a segment's, the same in both); a dilated branch is gathered from the real rows, its rows past them
-  filled (``BranchLayout.gather``; keys masked), and its calls cut to the real rows as above
+  length, as a sharded bucket does (Note [Padding shards to a bucket], ``SitePlan.bucketed``):
+  it takes the unpadded q, k, v and the key bias at the real keys. A rate-1 branch's blocks
+  read the real rows where they lie, the whole segments in one call and the last one's rows in
+  another (``ops._on_site_rows``; a band's positions are a segment's, the same in both); a
+  dilated branch is gathered from the real rows, its rows past them filled
+  (``BranchLayout.gather``; keys masked), and its calls cut to the real rows as above
   (``ops.real_calls``); outs and gradients go to the real rows only. Of the bucket's size only
   a dilated branch's gathered rows are held (``1 / r`` of it);
 * with documents (ids of the bucket's rows): the whole segments in one block call,
